@@ -1,0 +1,65 @@
+"""Dense compressors: fp32 all-reduce (the baseline) and 16-bit casts."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Collective, Compressor, Exchange, ExchangeContext, Message, SegmentLayout, WireSpec
+
+
+class NoCompression(Compressor):
+    """fp32 all-reduce of the gradient divided by world size, as DDP does without a hook.
+
+    Multiplying by ``1/world_size`` before the sum (not dividing after) matches DDP's own
+    reducer bit for bit, which the exactness test relies on.
+    """
+
+    name = "none"
+    lossy = False
+
+    def exchange(self, inp, out, layout, state, ctx) -> Exchange:
+        if inp.data_ptr() != out.data_ptr():
+            out.copy_(inp)
+            if ctx.keep_residual:
+                inp.zero_()
+        if ctx.world_size > 1:
+            out.mul_(1.0 / ctx.world_size)
+        summed = yield Message(out, Collective.ALL_REDUCE_SUM, last=True)
+        if summed.data_ptr() != out.data_ptr():  # a real all-reduce works in place
+            out.copy_(summed)
+
+    def wire(self, layout: SegmentLayout, world_size: int) -> list[WireSpec]:
+        return [WireSpec(Collective.ALL_REDUCE_SUM, layout.numel * 4)]
+
+
+class _Cast(Compressor):
+    """Cast to a 16-bit float type, all-reduce, cast back.
+
+    Scaled by ``1/world_size`` before the cast so the sum stays in range.  Near-lossless,
+    so error feedback is off by default; turn it on to carry rounding error forward.
+    """
+
+    lossy = False
+    dtype: torch.dtype = torch.float16
+
+    def exchange(self, inp, out, layout, state, ctx) -> Exchange:
+        wire = ctx.payload(inp.numel(), self.dtype, inp.device)
+        torch.mul(inp, 1.0 / ctx.world_size, out=wire)
+        if ctx.keep_residual:
+            # residual = inp - what this rank contributed once decoded
+            inp.sub_(wire.to(torch.float32).mul_(ctx.world_size))
+        summed = yield Message(wire, Collective.ALL_REDUCE_SUM, last=True)
+        out.copy_(summed)
+
+    def wire(self, layout: SegmentLayout, world_size: int) -> list[WireSpec]:
+        return [WireSpec(Collective.ALL_REDUCE_SUM, (layout.numel + 1) * 2)]
+
+
+class Fp16(_Cast):
+    name = "fp16"
+    dtype = torch.float16
+
+
+class Bf16(_Cast):
+    name = "bf16"
+    dtype = torch.bfloat16

@@ -1,0 +1,100 @@
+"""Bit packing of small unsigned integers into bytes, and lane packing for summable payloads.
+
+Written here (no library packs arbitrary 1..8-bit codes for torch tensors): eight b-bit
+codes are combined into one 64-bit word with shifts, and the word's low ``b`` bytes are
+kept, so every width 1..8 uses the same vectorised path and costs a few tensor passes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_SHIFTS_CACHE: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _shifts(bits: int, lanes: int, device: torch.device) -> torch.Tensor:
+    key = (bits * 100 + lanes, device)
+    if key not in _SHIFTS_CACHE:
+        _SHIFTS_CACHE[key] = torch.arange(lanes, dtype=torch.int64, device=device) * bits
+    return _SHIFTS_CACHE[key]
+
+
+def packed_nbytes(numel: int, bits: int) -> int:
+    """Bytes that :func:`pack_bits` produces for ``numel`` codes of ``bits`` bits."""
+    if bits == 8:
+        return numel
+    groups = (numel + 7) // 8
+    return groups * bits
+
+
+def pack_bits(codes: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Pack unsigned ``codes`` (< 2**bits) into a flat uint8 tensor of packed_nbytes bytes."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    numel = codes.numel()
+    nbytes = packed_nbytes(numel, bits)
+    if out is None:
+        out = torch.empty(nbytes, dtype=torch.uint8, device=codes.device)
+    if bits == 8:
+        out.copy_(codes.reshape(-1))
+        return out
+    groups = (numel + 7) // 8
+    padded = codes.reshape(-1).to(torch.int64)
+    if groups * 8 != numel:
+        padded = torch.nn.functional.pad(padded, (0, groups * 8 - numel))
+    words = (padded.view(groups, 8) << _shifts(bits, 8, codes.device)).sum(dim=1)
+    out.view(groups, bits).copy_(words.view(torch.uint8).view(groups, 8)[:, :bits])
+    return out
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`; returns int64 codes for the last dimension.
+
+    ``packed`` may be 2-D ``(rows, nbytes)`` (one row a rank, as all-gather delivers it);
+    the result is then ``(rows, numel)``.
+    """
+    rows = packed.shape[0] if packed.dim() == 2 else None
+    flat = packed.reshape(-1 if rows is None else rows, packed.shape[-1])
+    if bits == 8:
+        codes = flat[..., :numel].to(torch.int64)
+        return codes if rows is not None else codes.reshape(-1)
+    groups = (numel + 7) // 8
+    r = flat.shape[0]
+    words = torch.zeros(r, groups, 8, dtype=torch.uint8, device=packed.device)
+    words[:, :, :bits] = flat[:, : groups * bits].view(r, groups, bits)
+    words64 = words.view(r, groups * 8).view(torch.int64).view(r, groups, 1)
+    codes = (words64 >> _shifts(bits, 8, packed.device)) & ((1 << bits) - 1)
+    codes = codes.view(r, groups * 8)[:, :numel]
+    return codes if rows is not None else codes.reshape(-1)
+
+
+def lanes_per_word(lane_bits: int) -> int:
+    """Lanes of ``lane_bits`` that fit in a signed 64-bit word without touching the sign."""
+    return max(1, 63 // lane_bits)
+
+
+def pack_lanes(codes: torch.Tensor, lane_bits: int, out: torch.Tensor) -> torch.Tensor:
+    """Pack non-negative codes into int64 words, ``lanes_per_word`` codes a word.
+
+    Summing such words across ranks sums every lane independently as long as no lane
+    overflows: the caller reserves headroom bits for the number of ranks.
+    """
+    lanes = lanes_per_word(lane_bits)
+    numel = codes.numel()
+    words = out.numel()
+    padded = codes.reshape(-1)
+    if words * lanes != numel:
+        padded = torch.nn.functional.pad(padded, (0, words * lanes - numel))
+    torch.sum(padded.view(words, lanes) << _shifts(lane_bits, lanes, codes.device), dim=1, out=out)
+    return out
+
+
+def unpack_lanes(words: torch.Tensor, lane_bits: int, numel: int) -> torch.Tensor:
+    lanes = lanes_per_word(lane_bits)
+    codes = (words.view(-1, 1) >> _shifts(lane_bits, lanes, words.device)) & ((1 << lane_bits) - 1)
+    return codes.view(-1)[:numel]
+
+
+def lane_words(numel: int, lane_bits: int) -> int:
+    lanes = lanes_per_word(lane_bits)
+    return (numel + lanes - 1) // lanes

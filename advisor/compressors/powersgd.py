@@ -1,0 +1,153 @@
+"""PowerSGD (Vogels et al., NeurIPS 2019): rank-r approximation by one power iteration.
+
+Wire protocol, two all-reduces (both summable, so it scales like dense all-reduce):
+
+1. ``P = M Q`` for every compressible matrix, plus every uncompressed tensor (1-D tensors
+   and matrices that would not shrink) in the same message;
+2. after orthogonalising the summed P on every rank, ``Q = Mᵀ P̂``.
+
+Decode is ``P̂ Q̄ᵀ``.  The summed Q is kept as the next step's starting Q (warm start),
+identical on all ranks because it came out of an all-reduce.  The initial Q is drawn from a
+generator seeded by parameter name, so ranks agree without communicating.
+
+Error feedback uses this rank's own estimate ``P̂ Q_localᵀ``: by linearity the mean of the
+local estimates is exactly the decoded update, so residuals account for every lost bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import Collective, Compressor, Exchange, Message, SegmentLayout, WireSpec, stable_hash
+
+
+def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """The 2-D view PowerSGD compresses, or None for tensors it sends as they are."""
+    if len(shape) < 2:
+        return None
+    return shape[0], math.prod(shape[1:])
+
+
+def orthogonalize_(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Orthonormalise the columns of ``p`` (n x r) in place."""
+    if p.shape[1] == 1:
+        p.div_(p.norm() + eps)
+    else:
+        q, _ = torch.linalg.qr(p, mode="reduced")
+        p.copy_(q)
+    return p
+
+
+class PowerSGD(Compressor):
+    name = "powersgd"
+
+    def __init__(self, rank: int = 1, warm_start: bool = True, error_feedback: bool | None = None):
+        super().__init__(error_feedback)
+        self.rank = int(rank)
+        self.warm_start = bool(warm_start)
+
+    @property
+    def params(self):
+        return {"rank": self.rank}
+
+    def state_keys(self) -> tuple[str, ...]:
+        return ("q",)
+
+    def _plan(self, layout: SegmentLayout):
+        """Split parameters into (index, n, m, r) to compress and indices to send dense."""
+        compressed, dense = [], []
+        for i, shape in enumerate(layout.shapes):
+            nm = matrix_shape(shape)
+            if nm is not None:
+                n, m = nm
+                r = min(self.rank, n, m)
+                if (n + m) * r < n * m:
+                    compressed.append((i, n, m, r))
+                    continue
+            dense.append(i)
+        return compressed, dense
+
+    def wire(self, layout: SegmentLayout, world_size: int) -> list[WireSpec]:
+        compressed, dense = self._plan(layout)
+        numels = layout.numels
+        first = sum(n * r for _, n, _, r in compressed) + sum(numels[i] for i in dense) + 1
+        specs = [WireSpec(Collective.ALL_REDUCE_SUM, first * 4)]
+        if compressed:
+            specs.append(WireSpec(Collective.ALL_REDUCE_SUM, sum(m * r for _, _, m, r in compressed) * 4))
+        return specs
+
+    def _initial_q(self, name: str, m: int, r: int, ctx, device) -> torch.Tensor:
+        gen = ctx.generator(stable_hash(name), device)
+        return torch.randn(m, r, generator=gen, device=device)
+
+    def exchange(self, inp, out, layout, state, ctx) -> Exchange:
+        compressed, dense = self._plan(layout)
+        views_in = layout.views(inp)
+        views_out = layout.views(out)
+        qmem = state.setdefault("q", {})
+
+        p_numel = sum(n * r for _, n, _, r in compressed)
+        dense_numel = sum(views_in[i].numel() for i in dense)
+        first = ctx.payload(p_numel + dense_numel, torch.float32, inp.device)
+        ps, offset = [], 0
+        for i, n, m, r in compressed:
+            name = layout.names[i]
+            q = qmem.get(name) if self.warm_start else None
+            if q is None or q.shape != (m, r):
+                q = self._initial_q(name, m, r, ctx, inp.device)
+            qmem[name] = q
+            p = first[offset : offset + n * r].view(n, r)
+            torch.matmul(views_in[i].view(n, m), q, out=p)
+            ps.append(p)
+            offset += n * r
+        for i in dense:
+            k = views_in[i].numel()
+            first[offset : offset + k].copy_(views_in[i].reshape(-1))
+            offset += k
+
+        if not compressed:
+            if ctx.keep_residual:
+                inp.zero_()
+            summed = yield Message(first, Collective.ALL_REDUCE_SUM, last=True)
+            self._write_dense(summed, 0, dense, views_out, ctx.world_size)
+            return
+
+        summed_p = yield Message(first, Collective.ALL_REDUCE_SUM, last=False)
+        # Dense tensors are done after round one; keep their sums before the buffer is reused.
+        dense_sums = summed_p[p_numel:].clone() if dense else None
+
+        q_local = torch.empty(sum(m * r for _, _, m, r in compressed), device=inp.device)
+        p_hats, offset_p, offset_q = [], 0, 0
+        for (i, n, m, r) in compressed:
+            p_hat = orthogonalize_(summed_p[offset_p : offset_p + n * r].view(n, r).clone())
+            p_hats.append(p_hat)
+            mat = views_in[i].view(n, m)
+            q = q_local[offset_q : offset_q + m * r].view(m, r)
+            torch.matmul(mat.t(), p_hat, out=q)
+            if ctx.keep_residual:
+                mat.addmm_(p_hat, q.t(), alpha=-1.0)
+            offset_p += n * r
+            offset_q += m * r
+        if ctx.keep_residual:
+            for i in dense:
+                views_in[i].zero_()
+
+        summed_q = yield Message(q_local, Collective.ALL_REDUCE_SUM, last=True)
+        offset_q = 0
+        for (i, n, m, r), p_hat in zip(compressed, p_hats):
+            q_sum = summed_q[offset_q : offset_q + m * r].view(m, r)
+            qmem[layout.names[i]] = q_sum.clone()
+            torch.matmul(p_hat, q_sum.t(), out=views_out[i].view(n, m))
+            views_out[i].view(n, m).mul_(1.0 / ctx.world_size)
+            offset_q += m * r
+        if dense:
+            self._write_dense(dense_sums, 0, dense, views_out, ctx.world_size)
+
+    @staticmethod
+    def _write_dense(summed, offset, dense, views_out, world_size):
+        for i in dense:
+            k = views_out[i].numel()
+            torch.mul(summed[offset : offset + k].view_as(views_out[i]), 1.0 / world_size, out=views_out[i])
+            offset += k

@@ -1,0 +1,224 @@
+"""One ordered communication channel per process: the same collectives, in the same order, on every rank.
+
+Why not issue collectives from future callbacks, as PyTorch's PowerSGD hook does?  A
+callback runs when *its* collective finishes, which differs between ranks, so a second
+round of bucket 0 can be issued before or after the first round of bucket 1 depending on
+timing: gloo then matches the wrong messages ("collective mismatch").
+
+Here every bucket becomes a job on one worker thread.  The worker issues each job's rounds
+strictly in job order, waiting between the rounds of one exchange; only the *final* round
+of an exchange is left in flight while later jobs are issued, so consecutive buckets still
+overlap.  What a final round's completion might still send (the non-finite fallback) is
+held back and issued at the iteration's end, after every regular collective, in job order:
+the issue order is a function of the bucket order alone, identical on all ranks.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..compressors.base import Collective, Exchange, Message
+
+
+class Channel:
+    """Issues one message's collective; returns (handle with ``wait()``, result tensor)."""
+
+    world_size: int = 1
+
+    def issue(self, message: Message):  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class _Done:
+    def wait(self) -> bool:
+        return True
+
+
+class LocalChannel(Channel):
+    """World size 1: combining one rank's message is the identity; nothing goes on a wire."""
+
+    world_size = 1
+
+    def issue(self, message: Message):
+        result = message.tensor
+        if message.collective is Collective.ALL_GATHER:
+            result = result.unsqueeze(0)
+        return _Done(), result
+
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class ProcessGroupChannel(Channel):
+    """Collectives over a torch.distributed process group (gloo, NCCL, ...)."""
+
+    def __init__(self, group=None) -> None:
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.messages_sent = 0
+        self.bytes_sent = 0
+
+    def issue(self, message: Message):
+        t = message.tensor
+        self.messages_sent += 1
+        self.bytes_sent += message.nbytes
+        if message.collective is Collective.ALL_REDUCE_SUM:
+            return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True), t
+        if message.collective is Collective.ALL_REDUCE_MAX:
+            return dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), t
+        out = torch.empty((self.world_size, t.numel()), dtype=t.dtype, device=t.device)
+        return _all_gather_single(out, t, group=self.group, async_op=True), out
+
+
+@dataclass
+class Job:
+    """A bucket: its segment exchanges and the future DDP waits on."""
+
+    exchanges: list[Exchange]
+    future: torch.futures.Future
+    result: torch.Tensor
+    ends_iteration: bool
+    remaining: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.remaining = len(self.exchanges)
+
+
+@dataclass
+class _InFlight:
+    job: Job
+    exchange: Exchange
+    handle: object
+    result: torch.Tensor
+
+
+class OrderedExecutor:
+    """Runs jobs' exchanges over a :class:`Channel` in a rank-independent order.
+
+    ``threaded=False`` runs each job to completion in the caller's thread (world size 1,
+    and the in-process simulations used by tests and profilers).
+    """
+
+    def __init__(self, channel: Channel, threaded: bool = True, name: str = "advisor-comm") -> None:
+        self.channel = channel
+        self.threaded = threaded
+        self._in_flight: deque[_InFlight] = deque()
+        self._deferred: list[tuple[Job, Exchange, Message]] = []
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._name = name
+        self._lock = threading.Lock()
+
+    # --- public -------------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        if not self.threaded:
+            self._run_guarded(job)
+            self._drain()
+            return
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+        self._queue.put(job)
+
+    def close(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=5)
+
+    # --- worker -------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            if self._in_flight and self._queue.empty():
+                self._complete_oldest()
+                continue
+            job = self._queue.get()
+            if job is None:
+                return
+            self._run_guarded(job)
+            if job.ends_iteration:
+                self._drain()
+
+    def _run_guarded(self, job: Job) -> None:
+        try:
+            self._issue(job)
+        except BaseException as exc:  # never leave DDP waiting on a future that cannot finish
+            self._fail_all(exc, job)
+
+    def _issue(self, job: Job) -> None:
+        for exchange in job.exchanges:
+            try:
+                message = next(exchange)
+            except StopIteration:
+                self._segment_done(job)
+                continue
+            while True:
+                handle, result = self.channel.issue(message)
+                if message.last:
+                    self._in_flight.append(_InFlight(job, exchange, handle, result))
+                    break
+                handle.wait()
+                try:
+                    message = exchange.send(result)
+                except StopIteration:
+                    self._segment_done(job)
+                    break
+
+    def _complete_oldest(self) -> None:
+        item = self._in_flight.popleft()
+        try:
+            item.handle.wait()
+            try:
+                fallback = item.exchange.send(item.result)
+            except StopIteration:
+                self._segment_done(item.job)
+                return
+            self._deferred.append((item.job, item.exchange, fallback))
+        except BaseException as exc:
+            self._fail_all(exc, item.job)
+
+    def _drain(self) -> None:
+        """Finish everything in flight, then issue held-back fallbacks in job order."""
+        while self._in_flight:
+            self._complete_oldest()
+        deferred, self._deferred = self._deferred, []
+        for job, exchange, message in deferred:
+            try:
+                handle, result = self.channel.issue(message)
+                handle.wait()
+                try:
+                    exchange.send(result)
+                except StopIteration:
+                    pass
+                self._segment_done(job)
+            except BaseException as exc:
+                self._fail_all(exc, job)
+
+    def _segment_done(self, job: Job) -> None:
+        job.remaining -= 1
+        if job.remaining == 0 and not job.future.done():
+            job.future.set_result(job.result)
+
+    def _fail_all(self, exc: BaseException, job: Job) -> None:
+        jobs = [job] + [i.job for i in self._in_flight] + [j for j, _, _ in self._deferred]
+        self._in_flight.clear()
+        self._deferred.clear()
+        for j in jobs:
+            if not j.future.done():
+                j.future.set_exception(exc)
+
+
+def completed_future(value: torch.Tensor) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+Callback = Callable[[], None]

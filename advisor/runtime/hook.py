@@ -1,0 +1,212 @@
+"""The DDP communication hook that executes a :class:`Plan`.
+
+``install(ddp_model, plan)`` validates the plan on every rank, checks that all ranks hold
+the same plan, and registers :func:`compression_hook` with a :class:`CompressionHook`
+state object.  For each bucket the hook splits the bucket's flat buffer into segments of
+consecutive parameters that share a compressor, and hands one job to the process's
+ordered channel (see ``channel.py``): per segment, what crosses the wire is whatever that
+segment's compressor sends, plus one flag element (see ``segment.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ..compressors.base import Compressor, ExchangeContext, SegmentLayout
+from ..compressors.registry import CompressorConfig
+from .channel import Job, LocalChannel, OrderedExecutor, ProcessGroupChannel
+from .plan import Plan
+from .segment import ResidualStore, guarded_exchange
+
+log = logging.getLogger("advisor.runtime")
+
+STATE_VERSION = 1
+_UNCOMPRESSED = CompressorConfig("none")
+
+
+class CompressionHook:
+    """State of the hook on one rank: plan, compressors, residuals, step counter.
+
+    Construct through :func:`install`.  ``step`` counts synchronised backward passes
+    (it advances when the last bucket of an iteration is handed over).
+    """
+
+    def __init__(self, plan: Plan, parameter_names: Mapping[int, str], group=None) -> None:
+        self.plan = plan
+        self.group = group
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.step = 0
+        self.nonfinite_events = 0
+        self._names = dict(parameter_names)
+        self._compressors: dict[CompressorConfig, Compressor] = {}
+        self._compressor_state: dict[str, Any] = {}
+        self._residuals = ResidualStore()
+        self._layouts: dict[tuple[int, ...], list[tuple[SegmentLayout, CompressorConfig, int]]] = {}
+        channel = ProcessGroupChannel(group) if self.world_size > 1 else LocalChannel()
+        self.channel = channel
+        self._executor = OrderedExecutor(channel, threaded=self.world_size > 1)
+
+    # --- per bucket ---------------------------------------------------------------
+    def _compressor(self, config: CompressorConfig) -> Compressor:
+        comp = self._compressors.get(config)
+        if comp is None:
+            comp = self._compressors[config] = config.build()
+        return comp
+
+    def segments(self, bucket) -> list[tuple[SegmentLayout, CompressorConfig, int]]:
+        """Runs of consecutive parameters with the same compressor, with their offsets."""
+        params = bucket.parameters()
+        key = tuple(id(p) for p in params)
+        cached = self._layouts.get(key)
+        if cached is not None:
+            return cached
+        runs: list[tuple[list[str], list[tuple[int, ...]], CompressorConfig, int]] = []
+        offset = 0
+        for p in params:
+            name = self._names.get(id(p))
+            if name is None:
+                raise RuntimeError("a DDP bucket holds a parameter the hook was not installed with")
+            config = self.plan.config_for(name)
+            if runs and runs[-1][2] == config:
+                runs[-1][0].append(name)
+                runs[-1][1].append(tuple(p.shape))
+            else:
+                runs.append(([name], [tuple(p.shape)], config, offset))
+            offset += p.numel()
+        result = [(SegmentLayout(tuple(n), tuple(s)), c, o) for n, s, c, o in runs]
+        self._layouts[key] = result
+        return result
+
+    def make_job(self, bucket) -> Job:
+        buffer = bucket.buffer()
+        fut: torch.futures.Future = torch.futures.Future()
+        warming_up = self.step < self.plan.warmup_steps
+        exchanges = []
+        for layout, config, offset in self.segments(bucket):
+            if warming_up:
+                config = _UNCOMPRESSED
+            compressor = self._compressor(config)
+            ctx = ExchangeContext(self.world_size, step=self.step, seed=self.plan.seed, rank=self.rank)
+            residuals = self._residuals if compressor.error_feedback else None
+            grad = buffer[offset : offset + layout.numel]
+            exchanges.append(
+                guarded_exchange(
+                    compressor, grad, layout, self._compressor_state, residuals, ctx, self._count_nonfinite
+                )
+            )
+        return Job(exchanges, fut, buffer, ends_iteration=bucket.is_last())
+
+    def _count_nonfinite(self, layout: SegmentLayout, step: int) -> None:
+        self.nonfinite_events += 1
+
+    # --- checkpointing ------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Residuals, compressor memory (PowerSGD's Q) and counters, keyed by parameter name."""
+        return {
+            "version": STATE_VERSION,
+            "plan_digest": self.plan.digest(),
+            "step": self.step,
+            "nonfinite_events": self.nonfinite_events,
+            "residuals": self._residuals.state_dict(),
+            "compressor_state": {
+                key: {name: t.detach().clone() for name, t in per_name.items()}
+                for key, per_name in self._compressor_state.items()
+            },
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+            got = state.get("version") if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"hook state version {got!r} is not supported; expected {STATE_VERSION}")
+        if state.get("plan_digest") != self.plan.digest():
+            raise ValueError(
+                f"hook state was saved under plan {state.get('plan_digest')} but plan "
+                f"{self.plan.digest()} is installed; load it with the same plan"
+            )
+        known = set(self._names.values())
+        names = set(state["residuals"]) | {n for d in state["compressor_state"].values() for n in d}
+        unknown = sorted(names - known)
+        if unknown:
+            raise ValueError(f"hook state has parameters missing from the model: {unknown[:5]}")
+        self.step = int(state["step"])
+        self.nonfinite_events = int(state.get("nonfinite_events", 0))
+        self._residuals.load_state_dict(state["residuals"])
+        self._compressor_state = {
+            key: {name: t.detach().clone() for name, t in per_name.items()}
+            for key, per_name in state["compressor_state"].items()
+        }
+
+    def residual_norm(self) -> float:
+        return self._residuals.norm()
+
+    def close(self) -> None:
+        self._executor.close()
+
+
+def compression_hook(state: CompressionHook, bucket) -> torch.futures.Future:
+    """DDP comm hook: hand the bucket to the ordered channel; the future yields the mean.
+
+    (DDP looks the second argument up by the name ``bucket``.)
+    """
+    job = state.make_job(bucket)
+    if job.ends_iteration:
+        state.step += 1
+    state._executor.submit(job)
+    return job.future
+
+
+def _trainable_names(module: torch.nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in module.named_parameters() if p.requires_grad}
+
+
+def install(ddp_model: DistributedDataParallel, plan: Plan, group=None) -> CompressionHook:
+    """Validate ``plan`` against the model on every rank and register the hook.
+
+    Raises ValueError on every rank (never on some ranks only, which would hang the
+    others) when any rank's plan is invalid for the model or the ranks' plans differ.
+    Call before the first backward pass.
+    """
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(
+            f"install() needs a torch.nn.parallel.DistributedDataParallel model, got {type(ddp_model).__name__}"
+        )
+    if not isinstance(plan, Plan):
+        raise TypeError(f"install() needs an advisor Plan, got {type(plan).__name__}; load one with Plan.load(path)")
+    names = _trainable_names(ddp_model.module)
+    error = None
+    try:
+        plan.check_against(names.values())
+    except ValueError as exc:
+        error = str(exc)
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world > 1:
+        mine = {"error": error, "digest": plan.digest(), "rank": dist.get_rank(group)}
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, mine, group=group)
+        errors = [f"rank {e['rank']}: {e['error']}" for e in everyone if e["error"]]
+        if errors:
+            raise ValueError("invalid plan: " + "; ".join(errors))
+        digests = {e["rank"]: e["digest"] for e in everyone}
+        if len(set(digests.values())) > 1:
+            raise ValueError(
+                f"ranks hold different plans (digests by rank: {digests}); "
+                "give every rank the same plan file"
+            )
+    elif error:
+        raise ValueError(f"invalid plan: {error}")
+    state = CompressionHook(plan, names, group)
+    try:
+        ddp_model.register_comm_hook(state, compression_hook)
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"could not register the compression hook: {exc}. DDP takes one hook per model, "
+            "registered before the first backward pass; wrap a fresh DDP model"
+        ) from exc
+    return state

@@ -1,0 +1,182 @@
+"""The compression plan: which compressor each group of parameters uses.
+
+Groups are named by parameter name (``model.named_parameters()`` of the module DDP wraps),
+never by bucket index, so a plan survives DDP's bucket rebuild after iteration 0 and a
+change of bucket size.  Parameters in no group use ``default``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..compressors.registry import CompressorConfig, parse
+
+PLAN_VERSION = 1
+PLAN_KIND = "compression-advisor/plan"
+
+
+@dataclass(frozen=True)
+class PlanGroup:
+    parameters: tuple[str, ...]
+    compressor: CompressorConfig
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "parameters", tuple(self.parameters))
+        object.__setattr__(self, "compressor", parse(self.compressor))
+        if not self.parameters:
+            raise ValueError(f"a plan group with compressor {self.compressor.label} names no parameters")
+
+
+@dataclass
+class Plan:
+    """A typed, versioned plan; see :meth:`to_dict` for the JSON form."""
+
+    groups: list[PlanGroup] = field(default_factory=list)
+    default: CompressorConfig = field(default_factory=lambda: CompressorConfig("none"))
+    warmup_steps: int = 10
+    seed: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
+    version: int = PLAN_VERSION
+
+    def __post_init__(self) -> None:
+        self.default = parse(self.default)
+        self.groups = [g if isinstance(g, PlanGroup) else PlanGroup(**g) for g in self.groups]
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"plan warmup_steps={self.warmup_steps!r}; allowed: an integer >= 0")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"plan seed={self.seed!r}; allowed: an integer")
+        seen: dict[str, int] = {}
+        for i, group in enumerate(self.groups):
+            for name in group.parameters:
+                if name in seen:
+                    raise ValueError(
+                        f"parameter {name!r} is in plan groups {seen[name]} and {i}; "
+                        "each parameter may be in one group only"
+                    )
+                seen[name] = i
+        self._by_name = {name: self.groups[i].compressor for name, i in seen.items()}
+
+    # --- construction -------------------------------------------------------------
+    @classmethod
+    def uniform(cls, compressor: str | CompressorConfig, **kwargs: Any) -> "Plan":
+        """Every parameter uses ``compressor``."""
+        return cls(groups=[], default=parse(compressor), **kwargs)
+
+    @classmethod
+    def from_assignments(cls, assignments: Mapping[str, str | CompressorConfig], **kwargs: Any) -> "Plan":
+        """From ``{parameter name: compressor}``; names with equal configs share a group."""
+        grouped: dict[CompressorConfig, list[str]] = {}
+        for name, cfg in assignments.items():
+            grouped.setdefault(parse(cfg), []).append(name)
+        return cls(groups=[PlanGroup(tuple(n), c) for c, n in grouped.items()], **kwargs)
+
+    # --- queries ------------------------------------------------------------------
+    def config_for(self, parameter: str) -> CompressorConfig:
+        return self._by_name.get(parameter, self.default)
+
+    def named_parameters(self) -> set[str]:
+        return set(self._by_name)
+
+    def check_against(self, parameter_names: Iterable[str]) -> None:
+        """Raise ValueError if the plan names parameters the model does not have."""
+        model_names = set(parameter_names)
+        missing = sorted(self.named_parameters() - model_names)
+        if missing:
+            shown = ", ".join(repr(m) for m in missing[:5]) + (" ..." if len(missing) > 5 else "")
+            sample = ", ".join(repr(n) for n in sorted(model_names)[:5])
+            raise ValueError(
+                f"plan names {len(missing)} parameter(s) missing from the model: {shown}. "
+                f"Model parameters look like: {sample}. Was the plan made for another model, "
+                "or for the module before/after wrapping (names must be those of ddp_model.module)?"
+            )
+
+    # --- serialisation ------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": PLAN_KIND,
+            "version": self.version,
+            "default": self.default.to_dict(),
+            "warmup_steps": self.warmup_steps,
+            "seed": self.seed,
+            "groups": [
+                {"parameters": list(g.parameters), "compressor": g.compressor.to_dict()} for g in self.groups
+            ],
+            "metadata": self.metadata,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a plan must be a JSON object, got {type(data).__name__}")
+        kind = data.get("kind")
+        if kind != PLAN_KIND:
+            raise ValueError(f"not a plan: 'kind' is {kind!r}, expected {PLAN_KIND!r}")
+        version = data.get("version")
+        if version != PLAN_VERSION:
+            raise ValueError(
+                f"plan version {version!r} is not supported (this advisor reads version {PLAN_VERSION}); "
+                "re-create the plan with this version"
+            )
+        extra = set(data) - {"kind", "version", "default", "warmup_steps", "seed", "groups", "metadata"}
+        if extra:
+            raise ValueError(f"plan has unknown field(s) {sorted(extra)}")
+        groups = []
+        for i, g in enumerate(data.get("groups", [])):
+            if not isinstance(g, Mapping) or set(g) != {"parameters", "compressor"}:
+                raise ValueError(f"plan group {i} must be an object with 'parameters' and 'compressor', got {g!r}")
+            if not isinstance(g["parameters"], Sequence) or isinstance(g["parameters"], str):
+                raise ValueError(f"plan group {i}: 'parameters' must be a list of names")
+            try:
+                groups.append(PlanGroup(tuple(str(p) for p in g["parameters"]), CompressorConfig.from_dict(g["compressor"])))
+            except ValueError as exc:
+                raise ValueError(f"plan group {i} ({_first(g['parameters'])}): {exc}") from None
+        return cls(
+            groups=groups,
+            default=CompressorConfig.from_dict(data.get("default", {"name": "none"})),
+            warmup_steps=data.get("warmup_steps", 10),
+            seed=data.get("seed", 0),
+            metadata=dict(data.get("metadata", {})),
+            version=version,
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"plan is not valid JSON: {exc}") from None
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"plan file {str(p)!r} does not exist")
+        try:
+            return cls.from_json(p.read_text())
+        except ValueError as exc:
+            raise ValueError(f"{p}: {exc}") from None
+
+    def digest(self) -> str:
+        """A hash of everything that changes what goes on the wire (metadata excluded)."""
+        d = self.to_dict()
+        d.pop("metadata")
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _first(names: Any) -> str:
+    try:
+        return str(list(names)[0])
+    except (TypeError, IndexError):
+        return "?"

@@ -1,0 +1,151 @@
+"""One segment's exchange as the runtime runs it: error feedback and the non-finite guard.
+
+:func:`guarded_exchange` wraps a compressor's own exchange.  It adds the residual before
+encoding, and it carries one extra element in the first message that tells every rank
+whether *any* rank saw NaN/Inf in this segment.  If one did, all ranks drop the compressed
+result, reset the segment's residual, and send the raw gradient with a plain fp32
+all-reduce instead, so the outcome is what DDP without compression would give and no
+residual or warm-start memory is poisoned.  The flag costs no extra collective.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ..compressors.base import Collective, Compressor, Exchange, ExchangeContext, Message, SegmentLayout
+from ..compressors.casts import NoCompression
+
+log = logging.getLogger("advisor.runtime")
+
+
+class ResidualStore:
+    """Error-feedback residuals, one flat buffer a segment, addressable by parameter name.
+
+    Segments change when DDP rebuilds its buckets after iteration 0 (and may differ from a
+    checkpoint's), so each parameter's residual is a view that moves into the new
+    segment's buffer the first time that segment is seen.
+    """
+
+    def __init__(self) -> None:
+        self._flats: dict[tuple[str, ...], torch.Tensor] = {}
+        self._by_name: dict[str, torch.Tensor] = {}
+
+    def flat(self, layout: SegmentLayout, device: torch.device) -> torch.Tensor:
+        buf = self._flats.get(layout.names)
+        if buf is not None:
+            return buf
+        buf = torch.zeros(layout.numel, dtype=torch.float32, device=device)
+        for name, view in zip(layout.names, layout.views(buf)):
+            old = self._by_name.get(name)
+            if old is not None:
+                view.copy_(old.view_as(view))
+            self._by_name[name] = view
+        stale = [k for k in self._flats if set(k) & set(layout.names)]
+        for key in stale:
+            del self._flats[key]
+        self._flats[layout.names] = buf
+        return buf
+
+    def reset(self, layout: SegmentLayout) -> None:
+        buf = self._flats.get(layout.names)
+        if buf is not None:
+            buf.zero_()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: t.detach().clone() for name, t in self._by_name.items()}
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._flats.clear()
+        self._by_name = {name: t.detach().clone().to(torch.float32) for name, t in tensors.items()}
+
+    def norm(self) -> float:
+        if not self._by_name:
+            return 0.0
+        return float(torch.sqrt(sum((t.double() ** 2).sum() for t in self._by_name.values())))
+
+
+def is_finite(x: torch.Tensor) -> bool:
+    """True if every value is finite.  A sum is one fast pass; only if the sum is not
+    finite (NaN/Inf present, or a rare overflow of huge values) is the exact check run."""
+    return bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
+
+
+def _with_flag(message: Message, ctx: ExchangeContext, flag: bool) -> torch.Tensor:
+    body = message.tensor
+    full = ctx.first_payload
+    if full is None or full.numel() != body.numel() + 1 or full.data_ptr() != body.data_ptr():
+        full = torch.cat([body.reshape(-1), body.new_zeros(1)])
+    full[-1] = 1 if flag else 0
+    return full
+
+
+def guarded_exchange(
+    compressor: Compressor,
+    grad: torch.Tensor,
+    layout: SegmentLayout,
+    compressor_state: dict[str, Any],
+    residuals: ResidualStore | None,
+    ctx: ExchangeContext,
+    on_nonfinite=None,
+) -> Exchange:
+    """Run ``compressor`` on ``grad`` (a bucket slice) and leave the mean in ``grad``."""
+    if isinstance(compressor, NoCompression) and residuals is None:
+        # fp32 all-reduce: NaN/Inf propagate exactly as in DDP, nothing to protect.
+        yield from compressor.exchange(grad, grad, layout, compressor_state, ctx)
+        return
+
+    locally_finite = is_finite(grad)
+    if not locally_finite:
+        inp = torch.zeros_like(grad)  # encode something harmless; the result is discarded
+    elif residuals is not None:
+        inp = residuals.flat(layout, grad.device)
+        inp.add_(grad)
+    else:
+        inp = grad
+    ctx.keep_residual = residuals is not None and locally_finite
+    ctx.first_payload = None
+
+    inner = compressor.exchange(inp, grad, layout, compressor_state, ctx)
+    message = next(inner)
+    flagged = Message(_with_flag(message, ctx, not locally_finite), message.collective, message.last)
+    combined = yield flagged
+    if message.collective is Collective.ALL_GATHER:
+        any_nonfinite = bool((combined[:, -1] != 0).any())
+        combined = combined[:, :-1]
+    else:
+        any_nonfinite = bool(combined[-1] != 0)
+        combined = combined[:-1]
+
+    if any_nonfinite:
+        inner.close()
+        if residuals is not None:
+            residuals.reset(layout)
+        log.warning(
+            "non-finite gradient in %s at step %d (%s): sent uncompressed this step, residual reset",
+            _describe(layout),
+            ctx.step,
+            "this rank" if not locally_finite else "another rank",
+        )
+        if on_nonfinite is not None:
+            on_nonfinite(layout, ctx.step)
+        if ctx.world_size > 1:
+            grad.mul_(1.0 / ctx.world_size)
+        summed = yield Message(grad, Collective.ALL_REDUCE_SUM, last=True)
+        if summed.data_ptr() != grad.data_ptr():
+            grad.copy_(summed)
+        return
+
+    try:
+        while True:
+            message = inner.send(combined)
+            combined = yield message
+    except StopIteration:
+        return
+
+
+def _describe(layout: SegmentLayout) -> str:
+    names = layout.names
+    return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)} parameters)"

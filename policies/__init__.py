@@ -1,0 +1,1 @@
+"""Policies that choose a compressor per DDP bucket."""

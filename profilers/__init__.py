@@ -1,0 +1,1 @@
+"""Profilers of the live cluster (compute, network, kernels, gradient fidelity)."""
