@@ -1,8 +1,9 @@
 """Uniform stochastic quantisation: QSGD-style (all-gather) and summable integers (all-reduce).
 
 Both scale values chunk by chunk (1024 values a chunk, as CGX does) by the chunk's largest
-magnitude and round stochastically to ``2**(bits-1) - 1`` levels either side of zero, so
-the quantiser is unbiased; error feedback then removes what rounding still loses.
+magnitude onto ``2**(bits-1) - 1`` levels either side of zero.  Without error feedback they
+round stochastically (unbiased, as QSGD); with it (the default) they round to nearest,
+which error feedback needs (see :func:`quantize_codes`).
 """
 
 from __future__ import annotations
@@ -34,14 +35,32 @@ def chunk_absmax(rows: torch.Tensor) -> torch.Tensor:
     return rows.abs().amax(dim=1)
 
 
-def stochastic_codes(rows: torch.Tensor, scale: torch.Tensor, bits: int, generator=None) -> torch.Tensor:
-    """Unsigned codes in [0, 2·levels]: ``floor(x/scale·levels + u) + levels``, u ~ U[0,1)."""
+def quantize_codes(rows: torch.Tensor, scale: torch.Tensor, bits: int, generator=None) -> torch.Tensor:
+    """Unsigned codes in [0, 2·levels] of ``x/scale·levels``, as float.
+
+    With a ``generator``: stochastic rounding, ``floor(v + u)`` with u ~ U[0,1), which is
+    unbiased (QSGD).  Without: round to nearest.  The runtime rounds to nearest when error
+    feedback is on, because error feedback needs a *contractive* compressor
+    (||x - C(x)|| < ||x||) and stochastic rounding at few bits is not one: its variance
+    can exceed ||x||², and the residual then grows without bound.  Error feedback removes
+    the bias of nearest rounding instead.
+    """
     s = levels(bits)
     inv = torch.where(scale > 0, s / scale, torch.zeros_like(scale)).unsqueeze(1)
     scaled = rows * inv
-    noise = torch.rand(rows.shape, generator=generator, device=rows.device)
-    scaled.add_(noise).floor_().clamp_(-s, s).add_(s)
-    return scaled
+    if generator is None:
+        scaled.round_()
+    else:
+        noise = torch.rand(rows.shape, generator=generator, device=rows.device)
+        scaled.add_(noise).floor_()
+    return scaled.clamp_(-s, s).add_(s)
+
+
+def rounding_generator(ctx, layout, device):
+    """Stochastic rounding only without error feedback (see :func:`quantize_codes`)."""
+    if ctx.keep_residual:
+        return None
+    return ctx.local_generator(stable_hash(*layout.names), device)
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
@@ -51,7 +70,7 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Ten
 
 
 class QSGD(Compressor):
-    """Stochastic ``bits``-bit quantisation, codes bit-packed, sent by all-gather.
+    """Uniform ``bits``-bit quantisation, codes bit-packed, sent by all-gather.
 
     Payload per rank: packed codes then one fp32 scale per 1024 values.
     """
@@ -77,7 +96,7 @@ class QSGD(Compressor):
     def exchange(self, inp, out, layout, state, ctx) -> Exchange:
         rows, numel = chunked(inp)
         scale = chunk_absmax(rows)
-        codes = stochastic_codes(rows, scale, self.bits, ctx.local_generator(stable_hash(*layout.names), inp.device))
+        codes = quantize_codes(rows, scale, self.bits, rounding_generator(ctx, layout, inp.device))
         code_bytes, scale_bytes = self._sizes(numel)
         payload = ctx.payload(code_bytes + scale_bytes, torch.uint8, inp.device)
         flat_codes = codes.view(-1)[:numel]
@@ -137,7 +156,7 @@ class IntQuant(Compressor):
         torch.amax(rows.abs(), dim=1, out=scale)
         shared = yield Message(scale, Collective.ALL_REDUCE_MAX, last=False)
         shared = shared.clone()
-        codes = stochastic_codes(rows, shared, self.bits, ctx.local_generator(stable_hash(*layout.names), inp.device))
+        codes = quantize_codes(rows, shared, self.bits, rounding_generator(ctx, layout, inp.device))
         lane = self.lane_bits(ctx.world_size)
         words = torch.empty(lane_words(numel, lane), dtype=torch.int64, device=inp.device)
         pack_lanes(codes.view(-1)[:numel].to(torch.int64), lane, out=words)

@@ -101,6 +101,9 @@ class CompressorConfig:
             raise ValueError(f"{self.name}: error_feedback={self.error_feedback!r}; allowed: true, false or null")
         object.__setattr__(self, "params", clean)
 
+    def __hash__(self) -> int:
+        return hash((self.name, tuple(sorted(self.params.items())), self.error_feedback))
+
     def build(self) -> Compressor:
         return REGISTRY[self.name].factory(**self.params, error_feedback=self.error_feedback)
 

@@ -73,8 +73,9 @@ class ProcessGroupChannel(Channel):
             return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True), t
         if message.collective is Collective.ALL_REDUCE_MAX:
             return dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), t
-        out = torch.empty((self.world_size, t.numel()), dtype=t.dtype, device=t.device)
-        return _all_gather_single(out, t, group=self.group, async_op=True), out
+        out = torch.empty(self.world_size * t.numel(), dtype=t.dtype, device=t.device)
+        work = _all_gather_single(out, t, group=self.group, async_op=True)
+        return work, out.view(self.world_size, t.numel())
 
 
 @dataclass

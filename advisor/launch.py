@@ -1,0 +1,113 @@
+"""Launch a function on N local ranks (gloo), collect each rank's return value.
+
+Used by the tests, the benchmarks and the CLI's embedded cluster.  A rank that raises or
+dies ends the whole job with an error naming it; a job that runs past ``timeout`` is killed
+and reported with the ranks still running: never a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankFailed(RuntimeError):
+    """A rank raised, died, or did not finish in time."""
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port the OS reports free right now (never a hard-coded one)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(
+    rank: int,
+    fn: Callable[..., Any],
+    world_size: int,
+    addr: str,
+    port: int,
+    args: Sequence[Any],
+    result_dir: str,
+    threads: int,
+    timeout_s: float,
+    env: Mapping[str, str],
+) -> None:
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+        try:
+            result = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        torch.save(result, Path(result_dir) / f"rank{rank}.pt")
+    except BaseException:
+        (Path(result_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def launch_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    *,
+    timeout: float = 300.0,
+    threads: int = 1,
+    addr: str = "127.0.0.1",
+    env: Mapping[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
+
+    ``fn`` must be importable (defined at module level).  Returns the ranks' return values
+    in rank order.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size}; allowed: an integer >= 1")
+    port = free_port(addr)
+    with tempfile.TemporaryDirectory(prefix="advisor-ranks-") as result_dir:
+        ctx = mp.start_processes(
+            _rank_entry,
+            args=(fn, world_size, addr, port, tuple(args), result_dir, threads, timeout, dict(env or {})),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=0.2):
+                if time.monotonic() > deadline:
+                    alive = [i for i, p in enumerate(ctx.processes) if p.is_alive()]
+                    raise RankFailed(f"rank(s) {alive} did not finish within {timeout:.0f} s", alive[0] if alive else None)
+        except mp.ProcessRaisedException as exc:
+            rank = exc.error_index
+            detail = Path(result_dir, f"rank{rank}.err")
+            text = detail.read_text() if detail.exists() else str(exc)
+            raise RankFailed(f"rank {rank} failed:\n{text}", rank) from None
+        except mp.ProcessExitedException as exc:
+            raise RankFailed(f"rank {exc.error_index} died (exit code {exc.exit_code})", exc.error_index) from None
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        return [torch.load(Path(result_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
