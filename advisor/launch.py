@@ -53,17 +53,34 @@ def _rank_entry(
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         try:
             result = fn(rank, world_size, *args)
+            _leave_together(store, rank, world_size)
         finally:
             dist.destroy_process_group()
         torch.save(result, Path(result_dir) / f"rank{rank}.pt")
     except BaseException:
         (Path(result_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
         raise
+
+
+def _leave_together(store: dist.Store, rank: int, world_size: int) -> None:
+    """Close gloo only once every rank is done with it.
+
+    A rank that tears down its gloo pairs while a peer still reads the tail of the last
+    collective can abort that peer ("terminate called without an active exception").  The
+    store is a separate connection: every rank checks in, and the store's host (rank 0)
+    leaves last.
+    """
+    store.set(f"advisor/done/{rank}", "1")
+    store.wait([f"advisor/done/{r}" for r in range(world_size)])
+    if rank != 0:
+        store.set(f"advisor/left/{rank}", "1")
+    else:
+        store.wait([f"advisor/left/{r}" for r in range(1, world_size)])
 
 
 def launch_local(

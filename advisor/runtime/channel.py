@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -127,12 +127,14 @@ class OrderedExecutor:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
+                # Stop the worker before interpreter shutdown: a daemon thread killed inside
+                # a torch call at exit aborts the process ("terminate called ...").
+                weakref.finalize(self, _stop_worker, self._queue, self._thread)
         self._queue.put(job)
 
     def close(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(timeout=5)
+        if self._thread is not None:
+            _stop_worker(self._queue, self._thread)
 
     # --- worker -------------------------------------------------------------------
     def _loop(self) -> None:
@@ -216,10 +218,7 @@ class OrderedExecutor:
                 j.future.set_exception(exc)
 
 
-def completed_future(value: torch.Tensor) -> torch.futures.Future:
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(value)
-    return fut
-
-
-Callback = Callable[[], None]
+def _stop_worker(jobs: queue.Queue, thread: threading.Thread) -> None:
+    if thread.is_alive():
+        jobs.put(None)
+        thread.join(timeout=30)

@@ -1,0 +1,120 @@
+"""The hook on real gloo process groups (2 and 3 local ranks)."""
+
+import pytest
+import torch
+
+import rank_programs as rp
+from advisor.launch import RankFailed, launch_local
+from advisor.runtime import Plan
+
+pytestmark = pytest.mark.slow
+
+NONE = Plan.uniform("none", warmup_steps=0).to_dict()
+
+
+def assert_same_params(a, b, exact=True):
+    assert a.keys() == b.keys()
+    for name in a:
+        if exact:
+            assert torch.equal(a[name], b[name]), name
+        else:
+            assert torch.allclose(a[name], b[name]), name
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("repeat", [0, 1])
+def test_mixed_plan_on_many_buckets_runs_in_lockstep(world, repeat):
+    results = launch_local(rp.train_with_plan, world, (rp.mixed_plan().to_dict(), 110), timeout=240)
+    assert results[0]["buckets"] >= 8
+    assert results[0]["hook_step"] == 110
+    for other in results[1:]:
+        assert_same_params(results[0]["params"], other["params"])  # every rank applied the same update
+    norms = results[0]["residual_norms"]
+    assert all(torch.isfinite(torch.tensor(norms)))
+    assert max(norms[55:]) < 2 * max(norms[:55])  # residuals stay bounded
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_plan_none_is_bitwise_identical_to_ddp_without_a_hook(world):
+    hooked = launch_local(rp.train_with_plan, world, (NONE, 12), timeout=120)
+    plain = launch_local(rp.train_with_plan, world, (None, 12), timeout=120)
+    assert_same_params(hooked[0]["params"], plain[0]["params"])
+    assert hooked[0]["losses"] == plain[0]["losses"]
+
+
+@pytest.mark.parametrize("spec,dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_16_bit_casts_match_ddp_within_the_dtype_tolerance(spec, dtype):
+    plan = Plan.uniform(spec, warmup_steps=0).to_dict()
+    cast = launch_local(rp.grads_after_one_step, 2, (plan,), timeout=120)[0]
+    exact = launch_local(rp.grads_after_one_step, 2, (None,), timeout=120)[0]
+    for name in exact:
+        scale = exact[name].abs().max()
+        assert (cast[name] - exact[name]).abs().max() <= 4 * torch.finfo(dtype).eps * scale, name
+
+
+def test_checkpoint_and_resume_is_bitwise_identical_to_an_uninterrupted_run():
+    plan = rp.mixed_plan(warmup_steps=5).to_dict()
+    resumed = launch_local(rp.checkpoint_resume, 2, (plan, 20, 20), timeout=180)
+    straight = launch_local(rp.uninterrupted, 2, (plan, 40), timeout=180)
+    for r in range(2):
+        assert_same_params(resumed[r], straight[r])
+
+
+def test_warmup_steps_are_uncompressed():
+    warm = launch_local(rp.train_with_plan, 2, (rp.mixed_plan(warmup_steps=6).to_dict(), 6), timeout=120)
+    plain = launch_local(rp.train_with_plan, 2, (None, 6), timeout=120)
+    assert_same_params(warm[0]["params"], plain[0]["params"])
+    assert all(n == 0 for n in warm[0]["residual_norms"])
+
+
+def _bad(plan: Plan, **change):
+    d = plan.to_dict()
+    d.update(change)
+    return d
+
+
+def test_a_plan_naming_missing_parameters_is_refused_on_every_rank():
+    good = rp.mixed_plan().to_dict()
+    bad = Plan.from_assignments({**rp.MIXED, "encoder.weight": "fp16"}).to_dict()
+    results = launch_local(rp.install_expecting_error, 2, ([good, bad],), timeout=120)
+    for r in results:
+        assert r["error"] is not None and "rank 1" in r["error"]
+        assert "missing from the model: 'encoder.weight'" in r["error"]
+        assert r["alive"] == 2.0  # no rank hangs, the group still works
+
+
+def test_ranks_with_different_plans_are_refused_on_every_rank():
+    a = rp.mixed_plan().to_dict()
+    b = Plan.from_assignments({**rp.MIXED, "fc1.weight": "powersgd(rank=4)"}).to_dict()
+    results = launch_local(rp.install_expecting_error, 2, ([a, b],), timeout=120)
+    for r in results:
+        assert "ranks hold different plans" in r["error"]
+
+
+def test_nan_on_one_rank_sends_that_bucket_uncompressed_and_resets_its_residual():
+    plan = rp.mixed_plan().to_dict()
+    reports = launch_local(rp.nonfinite_step, 2, (plan, 1, 8, 20), timeout=180)
+    for rep in reports:
+        at_bad = rep["grads_finite_at_bad_step"]
+        assert at_bad["fc1.weight"] is False  # the NaN reaches every rank, as without compression
+        assert all(ok for name, ok in at_bad.items() if name != "fc1.weight")
+        assert rep["residuals_at_bad_step"]["fc1.weight"].abs().sum() == 0
+        assert rep["residuals_at_bad_step"]["fc2.weight"].abs().sum() > 0  # others untouched
+        assert rep["finite_steps"] == [s for s in range(20) if s != 8]
+        assert rep["params_finite"]
+        assert rep["events"] == 1
+        assert sum("non-finite" in w for w in rep["warnings"]) == 1
+        assert all(torch.isfinite(t).all() for t in rep["residuals_end"].values())
+    assert_same_params(reports[0]["params"], reports[1]["params"])
+
+
+def test_world_size_one_issues_no_collectives():
+    result = launch_local(rp.count_collectives, 1, (rp.mixed_plan(warmup_steps=2).to_dict(), 8), timeout=120)[0]
+    assert result["channel"] == "LocalChannel"
+    assert result["step"] == 8
+    assert all(torch.isfinite(p).all() for p in result["params"].values())
+
+
+def test_a_failing_rank_is_reported_by_number_not_a_hang():
+    with pytest.raises(RankFailed, match="rank 1 failed"):
+        launch_local(rp.install_expecting_error, 2, ([rp.mixed_plan().to_dict(), {"kind": "y"}],), timeout=60)
