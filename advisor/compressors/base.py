@@ -55,6 +55,9 @@ class Message:
     tensor: torch.Tensor
     collective: Collective
     last: bool = True
+    #: where the runtime may keep the all-gather output between steps (fresh pages cost
+    #: more than the copy itself on CPU)
+    workspace: dict | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -119,7 +122,24 @@ class ExchangeContext:
     seed: int = 0
     rank: int = 0
     keep_residual: bool = False
+    #: set by compressors with ``detects_nonfinite`` before their first message
+    nonfinite: bool | None = None
+    #: buffers kept for this segment from step to step (see :meth:`buffer`)
+    workspace: dict = field(default_factory=dict, repr=False)
     first_payload: torch.Tensor | None = field(default=None, repr=False)
+
+    def buffer(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat scratch tensor that is reused at the next step of the same segment.
+
+        Big temporaries are worth keeping: on CPU a fresh allocation of that size is
+        served by new pages from the OS, and faulting them in costs more than the
+        arithmetic.  Contents are undefined on return.
+        """
+        key = (name, dtype, torch.device(device))
+        buf = self.workspace.get(key)
+        if buf is None or buf.numel() != numel:
+            buf = self.workspace[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buf
 
     def payload(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A buffer for the first message of an exchange.
@@ -128,7 +148,7 @@ class ExchangeContext:
         rank saw a non-finite gradient, without an extra collective.  Compressors that
         build their first message here avoid a copy; others are appended to.
         """
-        full = torch.empty(numel + 1, dtype=dtype, device=device)
+        full = self.buffer("payload", numel + 1, dtype, device)
         self.first_payload = full
         return full[:numel]
 
@@ -163,6 +183,10 @@ class Compressor(ABC):
     lossy: bool = True
     #: Whether any message goes through all-gather (cost grows with world size).
     uses_all_gather: bool = False
+    #: Whether :meth:`exchange` sets ``ctx.nonfinite`` itself (from a reduction it needs
+    #: anyway, e.g. its scales) before its first message; otherwise the runtime scans
+    #: the input first.
+    detects_nonfinite: bool = False
 
     def __init__(self, error_feedback: bool | None = None) -> None:
         self.error_feedback = self.lossy if error_feedback is None else bool(error_feedback)
@@ -211,3 +235,10 @@ def chunk_count(numel: int, chunk: int) -> int:
 def stable_hash(*names: str) -> int:
     """A hash equal in every process (Python's ``hash`` of a str is salted per process)."""
     return zlib.crc32("\0".join(names).encode())
+
+
+def is_finite(x: torch.Tensor) -> bool:
+    """True if every value is finite.  A sum is one fast pass with no allocation; only if
+    it is not finite (NaN/Inf present, or a rare overflow of huge values) is the exact,
+    slower check run."""
+    return bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Collective, Compressor, Exchange, ExchangeContext, Message, SegmentLayout, WireSpec
+from .base import Collective, Compressor, Exchange, Message, SegmentLayout, WireSpec, is_finite
 
 
 class NoCompression(Compressor):
@@ -35,19 +35,27 @@ class NoCompression(Compressor):
 class _Cast(Compressor):
     """Cast to a 16-bit float type, all-reduce, cast back.
 
-    Scaled by ``1/world_size`` before the cast so the sum stays in range.  Near-lossless,
-    so error feedback is off by default; turn it on to carry rounding error forward.
+    Divided by ``world_size`` after the cast, in 16 bits, as PyTorch's fp16 hook does
+    (half the bytes of doing it in fp32 first).  The non-finite check runs on the 16-bit
+    payload, so it also catches values beyond the 16-bit range (Inf after the cast): that
+    step goes uncompressed instead of turning into Inf.  Near-lossless, so error feedback
+    is off by default; turn it on to carry the rounding error forward.
     """
 
     lossy = False
+    detects_nonfinite = True
     dtype: torch.dtype = torch.float16
 
     def exchange(self, inp, out, layout, state, ctx) -> Exchange:
         wire = ctx.payload(inp.numel(), self.dtype, inp.device)
-        torch.mul(inp, 1.0 / ctx.world_size, out=wire)
+        wire.copy_(inp)
+        ctx.nonfinite = not is_finite(wire)
+        if ctx.world_size > 1:
+            wire.mul_(1.0 / ctx.world_size)
         if ctx.keep_residual:
             # residual = inp - what this rank contributed once decoded
-            inp.sub_(wire.to(torch.float32).mul_(ctx.world_size))
+            decoded = ctx.buffer("decoded", inp.numel(), torch.float32, inp.device).copy_(wire)
+            inp.sub_(decoded.mul_(ctx.world_size))
         summed = yield Message(wire, Collective.ALL_REDUCE_SUM, last=True)
         out.copy_(summed)
 

@@ -23,8 +23,16 @@ def packed_nbytes(numel: int, bits: int) -> int:
     """Bytes that :func:`pack_bits` produces for ``numel`` codes of ``bits`` bits."""
     if bits == 8:
         return numel
+    if _byte_aligned(bits):
+        per_byte = 8 // bits
+        return (numel + per_byte - 1) // per_byte
     groups = (numel + 7) // 8
     return groups * bits
+
+
+def _byte_aligned(bits: int) -> bool:
+    """Widths that divide a byte pack within uint8 arithmetic (no int64 detour)."""
+    return bits in (1, 2, 4)
 
 
 def pack_bits(codes: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -38,6 +46,15 @@ def pack_bits(codes: torch.Tensor, bits: int, out: torch.Tensor | None = None) -
     if bits == 8:
         out.copy_(codes.reshape(-1))
         return out
+    if _byte_aligned(bits):
+        per_byte = 8 // bits
+        flat = codes.reshape(-1).to(torch.uint8)
+        padded_len = nbytes * per_byte
+        if padded_len != numel:
+            flat = torch.nn.functional.pad(flat, (0, padded_len - numel))
+        shifted = flat.view(nbytes, per_byte) << _shifts(bits, per_byte, codes.device).to(torch.uint8)
+        torch.sum(shifted, dim=1, dtype=torch.uint8, out=out)
+        return out
     groups = (numel + 7) // 8
     padded = codes.reshape(-1).to(torch.int64)
     if groups * 8 != numel:
@@ -48,7 +65,7 @@ def pack_bits(codes: torch.Tensor, bits: int, out: torch.Tensor | None = None) -
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`; returns int64 codes for the last dimension.
+    """Inverse of :func:`pack_bits`; returns integer codes (uint8 or int64).
 
     ``packed`` may be 2-D ``(rows, nbytes)`` (one row a rank, as all-gather delivers it);
     the result is then ``(rows, numel)``.
@@ -58,8 +75,16 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     if bits == 8:
         codes = flat[..., :numel].to(torch.int64)
         return codes if rows is not None else codes.reshape(-1)
-    groups = (numel + 7) // 8
     r = flat.shape[0]
+    if _byte_aligned(bits):
+        # uint8 codes: callers convert to float directly, a quarter of int64's traffic
+        per_byte = 8 // bits
+        nbytes = packed_nbytes(numel, bits)
+        shifts = _shifts(bits, per_byte, packed.device).to(torch.uint8)
+        codes = (flat[:, :nbytes].unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+        codes = codes.view(r, nbytes * per_byte)[:, :numel]
+        return codes if rows is not None else codes.reshape(-1)
+    groups = (numel + 7) // 8
     words = torch.zeros(r, groups, 8, dtype=torch.uint8, device=packed.device)
     words[:, :, :bits] = flat[:, : groups * bits].view(r, groups, bits)
     words64 = words.view(r, groups * 8).view(torch.int64).view(r, groups, 1)
@@ -74,25 +99,36 @@ def lanes_per_word(lane_bits: int) -> int:
 
 
 def pack_lanes(codes: torch.Tensor, lane_bits: int, out: torch.Tensor) -> torch.Tensor:
-    """Pack non-negative codes into int64 words, ``lanes_per_word`` codes a word.
+    """Pack non-negative int64 codes into int64 words, ``lanes_per_word`` codes a word.
 
     Summing such words across ranks sums every lane independently as long as no lane
-    overflows: the caller reserves headroom bits for the number of ranks.
+    overflows: the caller reserves headroom bits for the number of ranks.  ``codes`` is
+    used as scratch (shifted in place) when it holds exactly ``out.numel()`` words of lanes.
     """
     lanes = lanes_per_word(lane_bits)
-    numel = codes.numel()
     words = out.numel()
-    padded = codes.reshape(-1)
-    if words * lanes != numel:
-        padded = torch.nn.functional.pad(padded, (0, words * lanes - numel))
-    torch.sum(padded.view(words, lanes) << _shifts(lane_bits, lanes, codes.device), dim=1, out=out)
+    flat = codes.reshape(-1)
+    if flat.numel() != words * lanes:
+        flat = torch.nn.functional.pad(flat, (0, words * lanes - flat.numel()))
+    grid = flat.view(words, lanes)
+    grid.bitwise_left_shift_(_shifts(lane_bits, lanes, codes.device))
+    torch.sum(grid, dim=1, out=out)
     return out
 
 
-def unpack_lanes(words: torch.Tensor, lane_bits: int, numel: int) -> torch.Tensor:
+def unpack_lanes(words: torch.Tensor, lane_bits: int, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of :func:`pack_lanes`: the first ``numel`` lanes as int64.
+
+    ``out``, if given, must hold ``words.numel() * lanes_per_word`` int64 values.
+    """
     lanes = lanes_per_word(lane_bits)
-    codes = (words.view(-1, 1) >> _shifts(lane_bits, lanes, words.device)) & ((1 << lane_bits) - 1)
-    return codes.view(-1)[:numel]
+    shifts = _shifts(lane_bits, lanes, words.device)
+    if out is None:
+        out = torch.empty(words.numel() * lanes, dtype=torch.int64, device=words.device)
+    grid = out.view(words.numel(), lanes)
+    torch.bitwise_right_shift(words.view(-1, 1), shifts, out=grid)
+    grid.bitwise_and_((1 << lane_bits) - 1)
+    return out[:numel]
 
 
 def lane_words(numel: int, lane_bits: int) -> int:

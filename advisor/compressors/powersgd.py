@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from .base import Collective, Compressor, Exchange, Message, SegmentLayout, WireSpec, stable_hash
+from .base import Collective, Compressor, Exchange, Message, SegmentLayout, WireSpec, is_finite, stable_hash
 
 
 def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int] | None:
@@ -42,6 +42,7 @@ def orthogonalize_(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
 
 class PowerSGD(Compressor):
     name = "powersgd"
+    detects_nonfinite = True  # P = MQ is non-finite iff M is (NaN·0 is NaN)
 
     def __init__(self, rank: int = 1, warm_start: bool = True, error_feedback: bool | None = None):
         super().__init__(error_feedback)
@@ -106,6 +107,7 @@ class PowerSGD(Compressor):
             k = views_in[i].numel()
             first[offset : offset + k].copy_(views_in[i].reshape(-1))
             offset += k
+        ctx.nonfinite = not is_finite(first)
 
         if not compressed:
             if ctx.keep_residual:
@@ -118,7 +120,7 @@ class PowerSGD(Compressor):
         # Dense tensors are done after round one; keep their sums before the buffer is reused.
         dense_sums = summed_p[p_numel:].clone() if dense else None
 
-        q_local = torch.empty(sum(m * r for _, _, m, r in compressed), device=inp.device)
+        q_local = ctx.buffer("q", sum(m * r for _, _, m, r in compressed), torch.float32, inp.device)
         p_hats, offset_p, offset_q = [], 0, 0
         for (i, n, m, r) in compressed:
             p_hat = orthogonalize_(summed_p[offset_p : offset_p + n * r].view(n, r).clone())
@@ -136,11 +138,11 @@ class PowerSGD(Compressor):
 
         summed_q = yield Message(q_local, Collective.ALL_REDUCE_SUM, last=True)
         offset_q = 0
+        summed_q.mul_(1.0 / ctx.world_size)  # average Q (small) rather than M (large)
         for (i, n, m, r), p_hat in zip(compressed, p_hats):
-            q_sum = summed_q[offset_q : offset_q + m * r].view(m, r)
-            qmem[layout.names[i]] = q_sum.clone()
-            torch.matmul(p_hat, q_sum.t(), out=views_out[i].view(n, m))
-            views_out[i].view(n, m).mul_(1.0 / ctx.world_size)
+            q_mean = summed_q[offset_q : offset_q + m * r].view(m, r)
+            qmem[layout.names[i]] = q_mean.clone()
+            torch.matmul(p_hat, q_mean.t(), out=views_out[i].view(n, m))
             offset_q += m * r
         if dense:
             self._write_dense(dense_sums, 0, dense, views_out, ctx.world_size)

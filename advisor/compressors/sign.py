@@ -9,7 +9,7 @@ from .packing import pack_bits, packed_nbytes, unpack_bits
 
 
 class SignSGD(Compressor):
-    """Send ``sign(x)`` packed 8 to a byte and ``mean|x|`` for each parameter.
+    """Send ``x >= 0`` packed 8 to a byte and ``mean|x|`` for each parameter.
 
     Signs cannot be summed in one bit, so the payload goes by all-gather.  Scaling by the
     mean magnitude makes ``scale·sign(x)`` the best 1-bit approximation in L2 for a
@@ -18,6 +18,7 @@ class SignSGD(Compressor):
 
     name = "signsgd"
     uses_all_gather = True
+    detects_nonfinite = True
 
     def _sizes(self, layout: SegmentLayout) -> tuple[int, int]:
         return packed_nbytes(layout.numel, 1), len(layout.names) * 4
@@ -29,21 +30,34 @@ class SignSGD(Compressor):
     def exchange(self, inp, out, layout, state, ctx) -> Exchange:
         numel = inp.numel()
         sign_bytes, scale_bytes = self._sizes(layout)
-        numels = torch.tensor(layout.numels, device=inp.device)
-        scales = torch.stack([v.abs().mean() for v in layout.views(inp)]).to(torch.float32)
-        positive = inp >= 0
-        payload = ctx.payload(sign_bytes + scale_bytes, torch.uint8, inp.device)
-        payload[:scale_bytes].view(torch.float32).copy_(scales)
-        pack_bits(positive, 1, out=payload[scale_bytes:])
+        views = layout.views(inp)
+        payload = ctx.payload(scale_bytes + sign_bytes, torch.uint8, inp.device)
+        scales = payload[:scale_bytes].view(torch.float32)  # first: 4-byte aligned
+        for i, v in enumerate(views):
+            torch.linalg.vector_norm(v, ord=1, out=scales[i]).div_(v.numel())
+        ctx.nonfinite = not bool(torch.isfinite(scales).all())
+        positive = ctx.buffer("positive", numel, torch.bool, inp.device)
+        torch.ge(inp, 0, out=positive)
+        pack_bits(positive.view(torch.uint8), 1, out=payload[scale_bytes:])
+        signs = ctx.buffer("signs", numel, torch.float32, inp.device)
         if ctx.keep_residual:
-            local = torch.repeat_interleave(scales, numels)
-            inp.sub_(torch.where(positive, local, -local))
-        del positive
+            signs.copy_(positive).mul_(2).sub_(1)  # ±1
+            for v, sv, scale in zip(views, layout.views(signs), scales.tolist()):
+                v.sub_(sv, alpha=scale)
+
         gathered = yield Message(payload, Collective.ALL_GATHER, last=True)
-        out.zero_()
-        for row in gathered:
-            rank_scales = row[:scale_bytes].clone().view(torch.float32)
-            bits = unpack_bits(row[scale_bytes:], 1, numel)
-            magnitude = torch.repeat_interleave(rank_scales, numels)
-            out.add_(torch.where(bits.bool(), magnitude, -magnitude))
-        out.mul_(1.0 / ctx.world_size)
+        out_views = layout.views(out)
+        sign_views = layout.views(signs)
+        totals = torch.zeros(len(views), dtype=torch.float64)
+        for r, row in enumerate(gathered):
+            rank_scales = row[:scale_bytes].clone().view(torch.float32).double() / ctx.world_size
+            totals += rank_scales
+            signs.copy_(unpack_bits(row[scale_bytes:], 1, numel))  # 0/1
+            # value = (2·bit - 1)·scale: add 2·scale·bit now, subtract the scales at the end
+            for ov, sv, scale in zip(out_views, sign_views, (2 * rank_scales).tolist()):
+                if r == 0:
+                    torch.mul(sv, scale, out=ov)
+                else:
+                    ov.add_(sv, alpha=scale)
+        for ov, total in zip(out_views, totals.tolist()):
+            ov.sub_(total)

@@ -17,17 +17,19 @@ def kept_count(numel: int, ratio: float) -> int:
     return max(1, min(numel, int(round(numel * ratio))))
 
 
-def topk_abs_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+def topk_abs_indices(x: torch.Tensor, k: int, magnitudes: torch.Tensor | None = None,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
     """Indices of the ``k`` largest ``|x|``, exactly, faster than ``torch.topk`` on big x.
 
     Estimates a threshold that keeps a little more than k values from a strided sample,
     keeps the candidates above it (one pass), and runs ``torch.topk`` on those alone.  If
     the estimate keeps fewer than k candidates it falls back to a full ``torch.topk``, so
     the result is always the exact top-k set (written here because torch has no
-    approximate-then-exact selection).
+    approximate-then-exact selection).  ``magnitudes`` and ``mask`` are optional scratch
+    buffers of x's size.
     """
     numel = x.numel()
-    magnitudes = x.abs()
+    magnitudes = torch.abs(x, out=magnitudes) if magnitudes is not None else x.abs()
     if numel < _SAMPLED_SELECTION_MIN_NUMEL or k * 16 > numel:
         return torch.topk(magnitudes, k, sorted=False).indices
     stride = max(1, numel // _SAMPLE_SIZE)
@@ -36,7 +38,8 @@ def topk_abs_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     keep_fraction = min(1.0, (1.3 * k + 64 * math.sqrt(k)) / numel)
     rank_in_sample = max(1, int(sample.numel() * (1.0 - keep_fraction)))
     threshold = torch.kthvalue(sample, rank_in_sample).values
-    candidates = torch.nonzero(magnitudes >= threshold).squeeze(1)
+    above = torch.ge(magnitudes, threshold, out=mask) if mask is not None else magnitudes >= threshold
+    candidates = torch.nonzero(above).squeeze(1)
     if candidates.numel() < k:
         return torch.topk(magnitudes, k, sorted=False).indices
     chosen = torch.topk(magnitudes[candidates], k, sorted=False).indices
@@ -67,7 +70,12 @@ class TopK(Compressor):
 
     def exchange(self, inp, out, layout, state, ctx) -> Exchange:
         k = kept_count(inp.numel(), self.ratio)
-        idx = topk_abs_indices(inp, k)
+        idx = topk_abs_indices(
+            inp,
+            k,
+            magnitudes=ctx.buffer("magnitudes", inp.numel(), torch.float32, inp.device),
+            mask=ctx.buffer("mask", inp.numel(), torch.bool, inp.device),
+        )
         payload = ctx.payload(2 * k, torch.int32, inp.device)
         torch.index_select(inp, 0, idx, out=payload[:k].view(torch.float32))
         payload[k:].copy_(idx)

@@ -50,11 +50,12 @@ def run_once(
     state: dict,
     residuals: ResidualStore | None,
     step: int = 0,
+    workspace: dict | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> CodecTiming:
     """One exchange on a copy of ``grad``; returns its encode and decode time."""
     buf = grad.clone()
-    ctx = ExchangeContext(world_size, step=step)
+    ctx = ExchangeContext(world_size, step=step, workspace=workspace if workspace is not None else {})
     exchange = guarded_exchange(compressor, buf, layout, state, residuals, ctx)
     device = grad.device
     _sync(device)
@@ -94,9 +95,10 @@ def measure(
     if grad is None:
         grad = torch.randn(layout.numel, device=device)
     state: dict = {}
+    workspace: dict = {}
     residuals = ResidualStore() if compressor.error_feedback else None
     runs = [
-        run_once(compressor, grad, layout, world_size, state, residuals, step)
+        run_once(compressor, grad, layout, world_size, state, residuals, step, workspace)
         for step in range(warmup + repeats)
     ][warmup:]
     return CodecTiming(

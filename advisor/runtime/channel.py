@@ -73,7 +73,15 @@ class ProcessGroupChannel(Channel):
             return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True), t
         if message.collective is Collective.ALL_REDUCE_MAX:
             return dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), t
-        out = torch.empty(self.world_size * t.numel(), dtype=t.dtype, device=t.device)
+        numel = self.world_size * t.numel()
+        out = None
+        if message.workspace is not None:
+            key = ("gathered", t.dtype, t.device)
+            out = message.workspace.get(key)
+            if out is None or out.numel() != numel:
+                out = message.workspace[key] = torch.empty(numel, dtype=t.dtype, device=t.device)
+        else:
+            out = torch.empty(numel, dtype=t.dtype, device=t.device)
         work = _all_gather_single(out, t, group=self.group, async_op=True)
         return work, out.view(self.world_size, t.numel())
 

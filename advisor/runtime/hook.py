@@ -49,6 +49,7 @@ class CompressionHook:
         self._compressor_state: dict[str, Any] = {}
         self._residuals = ResidualStore()
         self._layouts: dict[tuple[int, ...], list[tuple[SegmentLayout, CompressorConfig, int]]] = {}
+        self._workspaces: dict[tuple[str, ...], dict] = {}
         channel = ProcessGroupChannel(group) if self.world_size > 1 else LocalChannel()
         self.channel = channel
         self._executor = OrderedExecutor(channel, threaded=self.world_size > 1)
@@ -93,7 +94,13 @@ class CompressionHook:
             if warming_up:
                 config = _UNCOMPRESSED
             compressor = self._compressor(config)
-            ctx = ExchangeContext(self.world_size, step=self.step, seed=self.plan.seed, rank=self.rank)
+            ctx = ExchangeContext(
+                self.world_size,
+                step=self.step,
+                seed=self.plan.seed,
+                rank=self.rank,
+                workspace=self._workspaces.setdefault(layout.names, {}),
+            )
             residuals = self._residuals if compressor.error_feedback else None
             grad = buffer[offset : offset + layout.numel]
             exchanges.append(

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..compressors.base import Collective, Compressor, Exchange, ExchangeContext, Message, SegmentLayout
+from ..compressors.base import Collective, Compressor, Exchange, ExchangeContext, Message, SegmentLayout, is_finite
 from ..compressors.casts import NoCompression
 
 log = logging.getLogger("advisor.runtime")
@@ -67,12 +67,6 @@ class ResidualStore:
         return float(torch.sqrt(sum((t.double() ** 2).sum() for t in self._by_name.values())))
 
 
-def is_finite(x: torch.Tensor) -> bool:
-    """True if every value is finite.  A sum is one fast pass; only if the sum is not
-    finite (NaN/Inf present, or a rare overflow of huge values) is the exact check run."""
-    return bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
-
-
 def _with_flag(message: Message, ctx: ExchangeContext, flag: bool) -> torch.Tensor:
     body = message.tensor
     full = ctx.first_payload
@@ -97,20 +91,26 @@ def guarded_exchange(
         yield from compressor.exchange(grad, grad, layout, compressor_state, ctx)
         return
 
-    locally_finite = is_finite(grad)
-    if not locally_finite:
-        inp = torch.zeros_like(grad)  # encode something harmless; the result is discarded
+    # Compressors that reduce the input anyway (scales, P = MQ) report non-finite values
+    # themselves; for the others one fast scan decides before anything is touched.
+    scanned_finite = None if compressor.detects_nonfinite else is_finite(grad)
+    if scanned_finite is False:
+        inp = ctx.buffer("harmless-input", grad.numel(), torch.float32, grad.device).zero_()
     elif residuals is not None:
         inp = residuals.flat(layout, grad.device)
-        inp.add_(grad)
+        inp.add_(grad)  # a NaN here is harmless: the residual is reset below
     else:
         inp = grad
-    ctx.keep_residual = residuals is not None and locally_finite
+    ctx.keep_residual = residuals is not None and scanned_finite is not False
+    ctx.nonfinite = None
     ctx.first_payload = None
 
     inner = compressor.exchange(inp, grad, layout, compressor_state, ctx)
     message = next(inner)
-    flagged = Message(_with_flag(message, ctx, not locally_finite), message.collective, message.last)
+    if compressor.detects_nonfinite and ctx.nonfinite is None:
+        raise RuntimeError(f"compressor {compressor.name} declares detects_nonfinite but did not set ctx.nonfinite")
+    locally_bad = scanned_finite is False or bool(ctx.nonfinite)
+    flagged = Message(_with_flag(message, ctx, locally_bad), message.collective, message.last, ctx.workspace)
     combined = yield flagged
     if message.collective is Collective.ALL_GATHER:
         any_nonfinite = bool((combined[:, -1] != 0).any())
@@ -124,10 +124,12 @@ def guarded_exchange(
         if residuals is not None:
             residuals.reset(layout)
         log.warning(
-            "non-finite gradient in %s at step %d (%s): sent uncompressed this step, residual reset",
+            "non-finite gradient (or beyond the range of %s) in %s at step %d, on %s: "
+            "sent uncompressed this step, residual reset",
+            compressor.name,
             _describe(layout),
             ctx.step,
-            "this rank" if not locally_finite else "another rank",
+            "this rank" if locally_bad else "another rank",
         )
         if on_nonfinite is not None:
             on_nonfinite(layout, ctx.step)
@@ -141,6 +143,8 @@ def guarded_exchange(
     try:
         while True:
             message = inner.send(combined)
+            if message.workspace is None:
+                message.workspace = ctx.workspace
             combined = yield message
     except StopIteration:
         return

@@ -46,6 +46,7 @@ class SimulatedRanks:
     def __post_init__(self) -> None:
         self.residuals = [ResidualStore() for _ in range(self.world_size)]
         self.states = [{} for _ in range(self.world_size)]
+        self.workspaces: list[dict] = [{} for _ in range(self.world_size)]
 
     def exchange(self, compressor: Compressor, grads: Sequence[torch.Tensor], layout: SegmentLayout) -> list[torch.Tensor]:
         """Each rank's averaged result for this step's gradients (inputs are not modified)."""
@@ -59,7 +60,13 @@ class SimulatedRanks:
                 layout,
                 self.states[r],
                 self.residuals[r] if compressor.error_feedback else None,
-                ExchangeContext(self.world_size, step=self.step, seed=self.seed, rank=r),
+                ExchangeContext(
+                    self.world_size,
+                    step=self.step,
+                    seed=self.seed,
+                    rank=r,
+                    workspace=self.workspaces[r].setdefault(layout.names, {}),
+                ),
             )
             for r, buf in enumerate(bufs)
         ]
