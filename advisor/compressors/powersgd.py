@@ -81,7 +81,7 @@ class PowerSGD(Compressor):
 
     def _initial_q(self, name: str, m: int, r: int, ctx, device) -> torch.Tensor:
         gen = ctx.generator(stable_hash(name), device)
-        return torch.randn(m, r, generator=gen, device=device)
+        return torch.randn(r, m, generator=gen, device=device)
 
     def exchange(self, inp, out, layout, state, ctx) -> Exchange:
         compressed, dense = self._plan(layout)
@@ -95,12 +95,13 @@ class PowerSGD(Compressor):
         ps, offset = [], 0
         for i, n, m, r in compressed:
             name = layout.names[i]
-            q = qmem.get(name) if self.warm_start else None
-            if q is None or q.shape != (m, r):
-                q = self._initial_q(name, m, r, ctx, inp.device)
-            qmem[name] = q
+            # Q is kept transposed, (r, m): on CPU, Pᵀ·M is several times faster than Mᵀ·P
+            qt = qmem.get(name) if self.warm_start else None
+            if qt is None or qt.shape != (r, m):
+                qt = self._initial_q(name, m, r, ctx, inp.device)
+            qmem[name] = qt
             p = first[offset : offset + n * r].view(n, r)
-            torch.matmul(views_in[i].view(n, m), q, out=p)
+            torch.matmul(views_in[i].view(n, m), qt.t(), out=p)
             ps.append(p)
             offset += n * r
         for i in dense:
@@ -126,10 +127,10 @@ class PowerSGD(Compressor):
             p_hat = orthogonalize_(summed_p[offset_p : offset_p + n * r].view(n, r).clone())
             p_hats.append(p_hat)
             mat = views_in[i].view(n, m)
-            q = q_local[offset_q : offset_q + m * r].view(m, r)
-            torch.matmul(mat.t(), p_hat, out=q)
+            qt = q_local[offset_q : offset_q + m * r].view(r, m)
+            torch.matmul(p_hat.t(), mat, out=qt)
             if ctx.keep_residual:
-                mat.addmm_(p_hat, q.t(), alpha=-1.0)
+                mat.addmm_(p_hat, qt, alpha=-1.0)
             offset_p += n * r
             offset_q += m * r
         if ctx.keep_residual:
@@ -140,9 +141,9 @@ class PowerSGD(Compressor):
         offset_q = 0
         summed_q.mul_(1.0 / ctx.world_size)  # average Q (small) rather than M (large)
         for (i, n, m, r), p_hat in zip(compressed, p_hats):
-            q_mean = summed_q[offset_q : offset_q + m * r].view(m, r)
-            qmem[layout.names[i]] = q_mean.clone()
-            torch.matmul(p_hat, q_mean.t(), out=views_out[i].view(n, m))
+            qt_mean = summed_q[offset_q : offset_q + m * r].view(r, m)
+            qmem[layout.names[i]] = qt_mean.clone()
+            torch.matmul(p_hat, qt_mean, out=views_out[i].view(n, m))
             offset_q += m * r
         if dense:
             self._write_dense(dense_sums, 0, dense, views_out, ctx.world_size)
