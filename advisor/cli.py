@@ -36,5 +36,25 @@ def compressors_cmd(as_json: bool) -> None:
     Console().print(table)
 
 
+@main.command("demo")
+@click.option("--steps", default=20, show_default=True, help="Timed steps per plan.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def demo_cmd(steps: int, as_json: bool) -> None:
+    """Run plans side by side on a local 2-process cluster and print what is fastest."""
+    from .demo import as_dicts, render, run_demo
+
+    if steps < 1:
+        raise click.UsageError(f"--steps={steps}; allowed: an integer >= 1")
+    if as_json:
+        click.echo(json.dumps(as_dicts(run_demo(steps=steps)), indent=2))
+        return
+    from rich.console import Console
+
+    console = Console()
+    with console.status("measuring plans on a local 2-rank gloo cluster ..."):
+        rows = run_demo(steps=steps)
+    render(rows, console)
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

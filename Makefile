@@ -1,0 +1,44 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PY        ?= python3
+VENV      ?= .venv
+PIP       := $(VENV)/bin/pip
+PYTHON    := $(VENV)/bin/python
+STAMP     := $(VENV)/.installed
+# The CPU wheel of torch 2.13.0 lies on this machine's disk; asking for it first keeps pip
+# from resolving `torch>=2.3` to a multi-gigabyte CUDA build.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: install demo test bench system-deps clean
+
+# iproute2 (ip, tc) builds the emulated slow cluster; best effort where apt is absent.
+system-deps:
+	@if ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; then \
+		if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = "0" ]; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null; \
+		else \
+			echo "note: iproute2 missing and cannot be installed here; emulated-cluster tests will skip"; \
+		fi; \
+	fi
+
+$(STAMP): pyproject.toml
+	@$(MAKE) --no-print-directory system-deps
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH_PIN)
+	$(PIP) install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/advisor demo
+
+test: $(STAMP)
+	$(PYTHON) -m pytest -q
+
+bench: $(STAMP)
+	$(PYTHON) benchmarks/compressors.py
+	$(PYTHON) benchmarks/hook_overhead.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
