@@ -2,8 +2,8 @@
 
 Run:  .venv/bin/python benchmarks/hook_overhead.py [--steps 30] [--rounds 6]
 
-Both DDP models live in the same processes and the same process group, and are timed in
-alternating blocks of steps (A B A B ...), so drift on this shared machine hits both alike.
+All DDP models live in the same processes and the same process group, and take turns step
+by step (A B C, B C A, ...), so drift on this shared machine hits them alike.
 The model is BACKGROUND.md's 5.3M-parameter MLP (1024-2048-1024-1024-10, batch 64), one
 thread a rank, over loopback.  Target: median hooked step / median plain step <= 1.03.
 """
@@ -56,16 +56,17 @@ def _rank(rank: int, world_size: int, steps: int, rounds: int, plan_json: str):
             model.zero_grad(set_to_none=True)
             nn.functional.cross_entropy(model(x), y).backward()
     keys = list(models)
-    for r in range(rounds):
-        for key in keys[r % 3 :] + keys[: r % 3]:  # rotate the order between rounds
-            block(models[key], key, steps)
+    for i in range(rounds * steps):
+        # one step of each model in turn, the order rotating: drift hits all alike
+        for key in keys[i % 3 :] + keys[: i % 3]:
+            block(models[key], key, 1)
     return times
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30, help="steps a block")
-    parser.add_argument("--rounds", type=int, default=6, help="blocks of each kind")
+    parser.add_argument("--steps", type=int, default=40, help="steps a round")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds (steps x rounds timed steps a model)")
     args = parser.parse_args(argv)
     plan = Plan.uniform("none", warmup_steps=0)
     results = launch_local(_rank, 2, (args.steps, args.rounds, plan.to_json()), timeout=900)
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
     hooked = statistics.median(t for r in results for t in r["hooked"])
     torch_hooked = statistics.median(t for r in results for t in r["torch"])
     ratio = hooked / plain
-    print(f"2 ranks, gloo, loopback, MLP 5.3M params, batch 64, {args.rounds}x{args.steps} steps each, 1 thread a rank")
+    print(f"2 ranks, gloo, loopback, MLP 5.3M params, batch 64, {args.rounds * args.steps} interleaved steps each, 1 thread a rank")
     print(f"DDP, no hook       : {plain * 1e3:7.2f} ms/step (median)")
     print(f"DDP + plan 'none'  : {hooked * 1e3:7.2f} ms/step (median)")
     print(f"DDP + PyTorch's allreduce_hook (reference): {torch_hooked * 1e3:7.2f} ms/step (median)")
