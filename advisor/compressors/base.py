@@ -124,6 +124,8 @@ class ExchangeContext:
     keep_residual: bool = False
     #: set by compressors with ``detects_nonfinite`` before their first message
     nonfinite: bool | None = None
+    #: for compressors with ``fuses_residual_add``: a tensor to add to ``inp`` first
+    pending_add: torch.Tensor | None = field(default=None, repr=False)
     #: buffers kept for this segment from step to step (see :meth:`buffer`)
     workspace: dict = field(default_factory=dict, repr=False)
     first_payload: torch.Tensor | None = field(default=None, repr=False)
@@ -187,6 +189,10 @@ class Compressor(ABC):
     #: anyway, e.g. its scales) before its first message; otherwise the runtime scans
     #: the input first.
     detects_nonfinite: bool = False
+    #: Whether :meth:`exchange` adds ``ctx.pending_add`` (the gradient, under error
+    #: feedback) to ``inp`` itself, block by block while the data is in cache, instead of
+    #: the runtime doing it in one extra pass beforehand.  Only with ``detects_nonfinite``.
+    fuses_residual_add: bool = False
 
     def __init__(self, error_feedback: bool | None = None) -> None:
         self.error_feedback = self.lossy if error_feedback is None else bool(error_feedback)

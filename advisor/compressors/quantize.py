@@ -5,13 +5,17 @@ magnitude onto ``2**(bits-1) - 1`` levels either side of zero.  Without error fe
 round stochastically (unbiased, as QSGD); with it (the default) they round to nearest,
 which error feedback needs (see :func:`quantize_rows`).
 
-The code keeps to a few in-place passes over reused buffers: on CPU, fresh allocations
-and int64 detours cost more than the arithmetic.
+Performance on CPU: eager PyTorch makes one memory pass per operation, and quantisation
+takes about eight.  Work therefore goes in blocks of rows small enough to stay in cache
+(``BLOCK_ROWS`` x 1024 values, 2 MiB of fp32), so only the first read and the last write
+of each value touch DRAM; measured here that halves encode time on a 16M bucket.  Buffers
+are reused from step to step (fresh pages cost more than the arithmetic).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -19,6 +23,7 @@ from .base import Collective, Compressor, Exchange, ExchangeContext, Message, Se
 from .packing import lane_words, lanes_per_word, pack_bits, pack_lanes, packed_nbytes, unpack_bits, unpack_lanes
 
 CHUNK = 1024
+BLOCK_ROWS = 512
 
 
 def levels(bits: int) -> int:
@@ -35,6 +40,12 @@ def as_rows(x: torch.Tensor, ctx: ExchangeContext, name: str) -> torch.Tensor:
     buf[:numel].copy_(x)
     buf[numel:].zero_()
     return buf.view(rows, CHUNK)
+
+
+def blocks(n_rows: int, block_rows: int = BLOCK_ROWS) -> Iterator[tuple[int, int]]:
+    """(first row, end row) of consecutive blocks."""
+    for start in range(0, n_rows, block_rows):
+        yield start, min(n_rows, start + block_rows)
 
 
 def chunk_absmax(rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -75,30 +86,41 @@ def rounding_generator(ctx: ExchangeContext, layout: SegmentLayout, device) -> t
     return ctx.local_generator(stable_hash(*layout.names), device)
 
 
-def subtract_decoded(inp: torch.Tensor, rows: torch.Tensor, codes: torch.Tensor, step: torch.Tensor) -> None:
-    """Error feedback: ``inp -= codes·step`` (chunk by chunk), in one pass when aligned."""
-    if rows.data_ptr() == inp.data_ptr():
-        rows.addcmul_(codes, step.unsqueeze(1), value=-1.0)
-    else:
-        inp.sub_(codes.mul(step.unsqueeze(1)).view(-1)[: inp.numel()])
+def add_pending(rows: torch.Tensor, a: int, b: int, ctx: ExchangeContext) -> None:
+    """Add this block's share of ``ctx.pending_add`` (error feedback: the new gradient)."""
+    if ctx.pending_add is None:
+        return
+    first, end = a * CHUNK, min(ctx.pending_add.numel(), b * CHUNK)
+    rows.view(-1)[first:end].add_(ctx.pending_add[first:end])
 
 
-def accumulate(out: torch.Tensor, codes: torch.Tensor, step: torch.Tensor, first: bool, ctx: ExchangeContext) -> None:
-    """``out (+)= codes·step`` chunk by chunk; codes are (chunks, CHUNK) floats."""
-    numel = out.numel()
-    if codes.numel() == numel:
-        target = out.view_as(codes)
+def write_back_padded(inp: torch.Tensor, rows: torch.Tensor) -> None:
+    """Copy residuals computed in a padded copy back to the unpadded input."""
+    if rows.data_ptr() != inp.data_ptr():
+        inp.copy_(rows.view(-1)[: inp.numel()])
+
+
+def accumulate_block(
+    out_flat: torch.Tensor, codes: torch.Tensor, step: torch.Tensor, first: bool
+) -> None:
+    """``out (+)= codes·step`` for one block; ``codes`` are (rows, CHUNK) floats.
+
+    ``out_flat`` is the block's slice of the output; it is shorter than ``codes`` only in
+    the last block of an unaligned segment.
+    """
+    valid = out_flat.numel()
+    if valid == codes.numel():
+        target = out_flat.view_as(codes)
         if first:
             torch.mul(codes, step.unsqueeze(1), out=target)
         else:
             target.addcmul_(codes, step.unsqueeze(1))
         return
     codes.mul_(step.unsqueeze(1))
-    flat = codes.view(-1)[:numel]
     if first:
-        out.copy_(flat)
+        out_flat.copy_(codes.view(-1)[:valid])
     else:
-        out.add_(flat)
+        out_flat.add_(codes.view(-1)[:valid])
 
 
 class QSGD(Compressor):
@@ -111,6 +133,7 @@ class QSGD(Compressor):
     name = "qsgd"
     uses_all_gather = True
     detects_nonfinite = True
+    fuses_residual_add = True
 
     def __init__(self, bits: int = 8, error_feedback: bool | None = None):
         super().__init__(error_feedback)
@@ -127,6 +150,25 @@ class QSGD(Compressor):
         codes, scales = self._sizes(layout.numel)
         return [WireSpec(Collective.ALL_GATHER, codes + scales + 1)]
 
+    def _store_codes(self, codes: torch.Tensor, n: int, dest: torch.Tensor, ctx: ExchangeContext) -> None:
+        """Write the first ``n`` signed float codes of a block into its payload slice."""
+        valid = codes.view(-1)[:n]
+        if self.bits == 8:
+            dest.view(torch.int8).copy_(valid)
+            return
+        unsigned = ctx.buffer("unsigned", BLOCK_ROWS * CHUNK, torch.uint8, codes.device)[:n]
+        unsigned.copy_(valid.add_(levels(self.bits)))
+        pack_bits(unsigned, self.bits, out=dest)
+
+    def _load_codes(self, src: torch.Tensor, dest: torch.Tensor, valid: int) -> None:
+        """Signed float codes of one block (zero past ``valid``) from its payload slice."""
+        if self.bits == 8:
+            dest[:valid].copy_(src.view(torch.int8))
+        else:
+            dest[:valid].copy_(unpack_bits(src, self.bits, valid))
+            dest[:valid].sub_(levels(self.bits))
+        dest[valid:].zero_()
+
     def exchange(self, inp, out, layout, state, ctx) -> Exchange:
         numel = inp.numel()
         s = levels(self.bits)
@@ -134,31 +176,34 @@ class QSGD(Compressor):
         code_bytes, scale_bytes = self._sizes(numel)
         payload = ctx.payload(scale_bytes + code_bytes, torch.uint8, inp.device)
         # scales first: a byte offset that is a multiple of 4 lets them be viewed as fp32
-        scale = chunk_absmax(rows, out=payload[:scale_bytes].view(torch.float32))
+        scale = payload[:scale_bytes].view(torch.float32)
+        codes_area = payload[scale_bytes:]
+        work = ctx.buffer("block", BLOCK_ROWS * CHUNK, torch.float32, inp.device)
+        generator = rounding_generator(ctx, layout, inp.device)
+        for a, b in blocks(rows.shape[0]):
+            add_pending(rows, a, b, ctx)
+            r = rows[a:b]
+            sc = chunk_absmax(r, out=scale[a:b])
+            codes = work[: r.numel()].view(r.shape)
+            quantize_rows(r, sc, self.bits, codes, generator)
+            if ctx.keep_residual:
+                r.addcmul_(codes, (sc / s).unsqueeze(1), value=-1.0)
+            first, end = a * CHUNK, min(numel, b * CHUNK)
+            dest = codes_area[packed_nbytes(first, self.bits) : packed_nbytes(end, self.bits)]
+            self._store_codes(codes, end - first, dest, ctx)
         ctx.nonfinite = not bool(torch.isfinite(scale).all())
-        codes = ctx.buffer("codes", rows.numel(), torch.float32, inp.device).view(rows.shape)
-        quantize_rows(rows, scale, self.bits, codes, rounding_generator(ctx, layout, inp.device))
         if ctx.keep_residual:
-            subtract_decoded(inp, rows, codes, scale / s)
-        flat_codes = codes.view(-1)[:numel]
-        if self.bits == 8:
-            payload[scale_bytes:].view(torch.int8).copy_(flat_codes)
-        else:
-            unsigned = ctx.buffer("unsigned", numel, torch.uint8, inp.device)
-            unsigned.copy_(flat_codes.add_(s))
-            pack_bits(unsigned, self.bits, out=payload[scale_bytes:])
+            write_back_padded(inp, rows)
 
         gathered = yield Message(payload, Collective.ALL_GATHER, last=True)
-        decoded = ctx.buffer("decoded", rows.numel(), torch.float32, inp.device)
-        for r, row in enumerate(gathered):
-            step = row[:scale_bytes].clone().view(torch.float32).div_(s * ctx.world_size)
-            if self.bits == 8:
-                decoded[:numel].copy_(row[scale_bytes : scale_bytes + numel].view(torch.int8))
-            else:
-                decoded[:numel].copy_(unpack_bits(row[scale_bytes:], self.bits, numel))
-                decoded[:numel].sub_(s)
-            decoded[numel:].zero_()
-            accumulate(out, decoded.view(-1, CHUNK), step, r == 0, ctx)
+        steps = [row[:scale_bytes].clone().view(torch.float32).div_(s * ctx.world_size) for row in gathered]
+        for a, b in blocks(rows.shape[0]):
+            first, end = a * CHUNK, min(numel, b * CHUNK)
+            codes = work[: (b - a) * CHUNK].view(b - a, CHUNK)
+            lo, hi = scale_bytes + packed_nbytes(first, self.bits), scale_bytes + packed_nbytes(end, self.bits)
+            for r, row in enumerate(gathered):  # ranks inside the block: out stays in cache
+                self._load_codes(row[lo:hi], codes.view(-1), end - first)
+                accumulate_block(out[first:end], codes, steps[r][a:b], first=r == 0)
 
 
 def headroom_bits(world_size: int) -> int:
@@ -176,6 +221,7 @@ class IntQuant(Compressor):
 
     name = "intquant"
     detects_nonfinite = True
+    fuses_residual_add = True
 
     def __init__(self, bits: int = 8, error_feedback: bool | None = None):
         super().__init__(error_feedback)
@@ -201,27 +247,47 @@ class IntQuant(Compressor):
         s = levels(self.bits)
         rows = as_rows(inp, ctx, "padded")
         scale = ctx.payload(rows.shape[0], torch.float32, inp.device)
-        chunk_absmax(rows, out=scale)
+        for a, b in blocks(rows.shape[0]):
+            add_pending(rows, a, b, ctx)
+            chunk_absmax(rows[a:b], out=scale[a:b])
         ctx.nonfinite = not bool(torch.isfinite(scale).all())
         shared = yield Message(scale, Collective.ALL_REDUCE_MAX, last=False)
         shared = shared.clone()
 
-        codes = ctx.buffer("codes", rows.numel(), torch.float32, inp.device).view(rows.shape)
-        quantize_rows(rows, shared, self.bits, codes, rounding_generator(ctx, layout, inp.device))
-        if ctx.keep_residual:
-            subtract_decoded(inp, rows, codes, shared / s)
         lane = self.lane_bits(ctx.world_size)
-        n_words = lane_words(numel, lane)
-        unsigned = ctx.buffer("lanes", n_words * lanes_per_word(lane), torch.int64, inp.device)
-        unsigned[:numel].copy_(codes.view(-1)[:numel].add_(s))
-        unsigned[numel:].zero_()
-        words = ctx.buffer("words", n_words, torch.int64, inp.device)
-        pack_lanes(unsigned, lane, out=words)
+        lanes = lanes_per_word(lane)
+        # blocks hold whole words of lanes, so each block packs into its own words
+        block_rows = max(1, BLOCK_ROWS // lanes) * lanes
+        words = ctx.buffer("words", lane_words(numel, lane), torch.int64, inp.device)
+        work = ctx.buffer("block", block_rows * CHUNK, torch.float32, inp.device)
+        unsigned = ctx.buffer("lanes", block_rows * CHUNK, torch.int64, inp.device)
+        generator = rounding_generator(ctx, layout, inp.device)
+        for a, b in blocks(rows.shape[0], block_rows):
+            r = rows[a:b]
+            codes = work[: r.numel()].view(r.shape)
+            quantize_rows(r, shared[a:b], self.bits, codes, generator)
+            if ctx.keep_residual:
+                r.addcmul_(codes, (shared[a:b] / s).unsqueeze(1), value=-1.0)
+            first, end = a * CHUNK, min(numel, b * CHUNK)
+            n_words = lane_words(end - first, lane)
+            block_lanes = unsigned[: n_words * lanes]
+            block_lanes[: end - first].copy_(codes.view(-1)[: end - first].add_(s))
+            block_lanes[end - first :].zero_()
+            w0 = first // lanes
+            pack_lanes(block_lanes, lane, out=words[w0 : w0 + n_words])
+        if ctx.keep_residual:
+            write_back_padded(inp, rows)
         summed = yield Message(words, Collective.ALL_REDUCE_SUM, last=True)
 
-        decoded = ctx.buffer("decoded", rows.numel(), torch.float32, inp.device)
-        decoded[:numel].copy_(unpack_lanes(summed, lane, numel, out=unsigned))
-        # sum of signed codes = sum of unsigned codes - world_size * levels
-        decoded[:numel].sub_(ctx.world_size * s)
-        decoded[numel:].zero_()
-        accumulate(out, decoded.view(-1, CHUNK), shared / (s * ctx.world_size), True, ctx)
+        step = shared / (s * ctx.world_size)
+        offset = ctx.world_size * s  # sum of signed codes = sum of unsigned - world_size·levels
+        for a, b in blocks(rows.shape[0], block_rows):
+            first, end = a * CHUNK, min(numel, b * CHUNK)
+            n_words = lane_words(end - first, lane)
+            w0 = first // lanes
+            codes = work[: (b - a) * CHUNK]
+            lanes_out = unsigned[: n_words * lanes]
+            codes[: end - first].copy_(unpack_lanes(summed[w0 : w0 + n_words], lane, end - first, out=lanes_out))
+            codes[: end - first].sub_(offset)
+            codes[end - first :].zero_()
+            accumulate_block(out[first:end], codes.view(b - a, CHUNK), step[a:b], first=True)

@@ -98,7 +98,10 @@ def guarded_exchange(
         inp = ctx.buffer("harmless-input", grad.numel(), torch.float32, grad.device).zero_()
     elif residuals is not None:
         inp = residuals.flat(layout, grad.device)
-        inp.add_(grad)  # a NaN here is harmless: the residual is reset below
+        if compressor.fuses_residual_add:
+            ctx.pending_add = grad
+        else:
+            inp.add_(grad)  # a NaN here is harmless: the residual is reset below
     else:
         inp = grad
     ctx.keep_residual = residuals is not None and scanned_finite is not False
@@ -109,6 +112,7 @@ def guarded_exchange(
     message = next(inner)
     if compressor.detects_nonfinite and ctx.nonfinite is None:
         raise RuntimeError(f"compressor {compressor.name} declares detects_nonfinite but did not set ctx.nonfinite")
+    ctx.pending_add = None
     locally_bad = scanned_finite is False or bool(ctx.nonfinite)
     flagged = Message(_with_flag(message, ctx, locally_bad), message.collective, message.last, ctx.workspace)
     combined = yield flagged
