@@ -28,7 +28,7 @@ CONFIGS = [
     "powersgd(rank=1)", "powersgd(rank=4)",
     "topk(ratio=0.01)", "randomk(ratio=0.01)",
     "qsgd(bits=8)", "qsgd(bits=4)", "qsgd(bits=2)",
-    "intquant(bits=8)", "intquant(bits=4)",
+    "intquant(bits=8)", "intquant(bits=4)", "intquant(bits=8, packed=0)", "intquant(bits=4, packed=0)",
     "signsgd",
 ]
 
@@ -40,6 +40,7 @@ BUCKETS = {
 TARGETS = {
     "fp16": ("copy", 0.40), "bf16": ("copy", 0.40),
     "qsgd(bits=8)": ("copy", 0.20), "intquant(bits=8)": ("copy", 0.20),
+    "intquant(bits=8, packed=0)": ("copy", 0.20),
 }
 
 

@@ -12,7 +12,8 @@ from advisor.runtime.simulate import SimulatedRanks
 
 LAYOUT = SegmentLayout(("conv.w", "fc.b", "fc.w"), ((16, 8, 3, 3), (100,), (120, 90)))
 LOSSY = ["powersgd(rank=1)", "powersgd(rank=4)", "topk(ratio=0.05)", "randomk(ratio=0.1)",
-         "qsgd(bits=2)", "qsgd(bits=5)", "qsgd(bits=8)", "intquant(bits=3)", "intquant(bits=8)", "signsgd"]
+         "qsgd(bits=2)", "qsgd(bits=5)", "qsgd(bits=8)", "intquant(bits=3)", "intquant(bits=8)",
+         "intquant(bits=8, packed=0)", "intquant(bits=4, packed=0)", "signsgd"]
 ALL = ["none", "fp16", "bf16"] + LOSSY
 
 
@@ -187,6 +188,7 @@ def test_nonfinite_on_one_rank_falls_back_to_fp32_and_resets_the_residual(spec, 
 def test_registry_lists_every_required_compressor():
     assert {"none", "fp16", "bf16", "powersgd", "topk", "randomk", "qsgd", "intquant", "signsgd"} <= set(REGISTRY)
     assert available()["topk"] == {"ratio": "a number in (0, 1]"}
+    assert available()["intquant"] == {"bits": "an integer in 2..8", "packed": "0 or 1"}
 
 
 @pytest.mark.parametrize(
@@ -201,6 +203,8 @@ def test_registry_lists_every_required_compressor():
         ("intquant(bits=1)", "allowed: an integer in 2..8"),
         ("fp16(ratio=0.1)", "compressor 'fp16' has no parameter ratio"),
         ("topk(ratio=abc)", "is not a number"),
+        ("intquant(bits=8, packed=2)", "intquant: packed=2 is invalid; allowed: 0 or 1"),
+        ("topk(0.1, 3)", "name the parameter"),
     ],
 )
 def test_invalid_configs_name_the_bad_value_and_the_allowed_ones(spec, message):
@@ -215,3 +219,4 @@ def test_configs_round_trip_through_text_and_dicts():
         assert CompressorConfig.from_dict(cfg.to_dict()) == cfg
     assert parse("powersgd:4") == CompressorConfig("powersgd", {"rank": 4})
     assert parse("topk:0.01").params == {"ratio": 0.01}
+    assert parse("intquant(4, 0)").params == {"bits": 4, "packed": 0}

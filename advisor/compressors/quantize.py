@@ -210,37 +210,82 @@ def headroom_bits(world_size: int) -> int:
     return max(0, math.ceil(math.log2(world_size))) if world_size > 1 else 0
 
 
+def summing_dtype(bits: int) -> torch.dtype:
+    """The narrowest signed integer type that holds a sum needing ``bits`` bits."""
+    for dtype in (torch.int8, torch.int16, torch.int32):
+        if bits <= torch.iinfo(dtype).bits:
+            return dtype
+    return torch.int64
+
+
 class IntQuant(Compressor):
     """Quantisation that stays all-reduce compatible (CGX/THC style).
 
     Round one all-reduces (max) each chunk's largest magnitude, so every rank quantises
-    with the same scale.  Round two sums unsigned codes packed into int64 lanes of
-    ``bits + ceil(log2 world_size)`` bits: the headroom keeps lanes from overflowing into
-    each other, so the sum of words is the word of sums.
+    with the same scale.  Round two sums the integer codes with enough headroom bits
+    (``bits + ceil(log2 world_size)``, sign included) that the sum cannot overflow:
+
+    * ``packed=1`` (default): unsigned codes in int64 lanes of that width, several lanes a
+      word; the sum of words is the word of sums.  Most compression (9.1 bits a value at
+      8 bits on 2 ranks), most encode work.
+    * ``packed=0``: one signed code per element of the narrowest integer type that holds
+      the sum (int8, int16, ...).  Less compression (16 bits a value at 8 bits on 2
+      ranks, 8 bits at 4 bits on up to 16), about three times cheaper to encode.
     """
 
     name = "intquant"
     detects_nonfinite = True
     fuses_residual_add = True
 
-    def __init__(self, bits: int = 8, error_feedback: bool | None = None):
+    def __init__(self, bits: int = 8, packed: int = 1, error_feedback: bool | None = None):
         super().__init__(error_feedback)
         self.bits = int(bits)
+        self.packed = int(packed)
 
     @property
     def params(self):
-        return {"bits": self.bits}
+        return {"bits": self.bits, "packed": self.packed}
 
     def lane_bits(self, world_size: int) -> int:
         return self.bits + headroom_bits(world_size)
 
     def wire(self, layout: SegmentLayout, world_size: int) -> list[WireSpec]:
         chunks = chunk_count(layout.numel, CHUNK)
-        words = lane_words(layout.numel, self.lane_bits(world_size))
+        if self.packed:
+            second = lane_words(layout.numel, self.lane_bits(world_size)) * 8
+        else:
+            second = layout.numel * torch.iinfo(summing_dtype(self.lane_bits(world_size))).bits // 8
         return [
             WireSpec(Collective.ALL_REDUCE_MAX, (chunks + 1) * 4),
-            WireSpec(Collective.ALL_REDUCE_SUM, words * 8),
+            WireSpec(Collective.ALL_REDUCE_SUM, second),
         ]
+
+    def _exchange_unpacked(self, inp, out, rows, shared, layout, ctx) -> Exchange:
+        numel = inp.numel()
+        s = levels(self.bits)
+        dtype = summing_dtype(self.lane_bits(ctx.world_size))
+        wire = ctx.buffer("wire", numel, dtype, inp.device)
+        work = ctx.buffer("block", BLOCK_ROWS * CHUNK, torch.float32, inp.device)
+        generator = rounding_generator(ctx, layout, inp.device)
+        for a, b in blocks(rows.shape[0]):
+            r = rows[a:b]
+            codes = work[: r.numel()].view(r.shape)
+            quantize_rows(r, shared[a:b], self.bits, codes, generator)
+            if ctx.keep_residual:
+                r.addcmul_(codes, (shared[a:b] / s).unsqueeze(1), value=-1.0)
+            first, end = a * CHUNK, min(numel, b * CHUNK)
+            wire[first:end].copy_(codes.view(-1)[: end - first])
+        if ctx.keep_residual:
+            write_back_padded(inp, rows)
+        summed = yield Message(wire, Collective.ALL_REDUCE_SUM, last=True)
+
+        step = shared / (s * ctx.world_size)
+        for a, b in blocks(rows.shape[0]):
+            first, end = a * CHUNK, min(numel, b * CHUNK)
+            codes = work[: (b - a) * CHUNK]
+            codes[: end - first].copy_(summed[first:end])
+            codes[end - first :].zero_()
+            accumulate_block(out[first:end], codes.view(b - a, CHUNK), step[a:b], first=True)
 
     def exchange(self, inp, out, layout, state, ctx) -> Exchange:
         numel = inp.numel()
@@ -253,6 +298,9 @@ class IntQuant(Compressor):
         ctx.nonfinite = not bool(torch.isfinite(scale).all())
         shared = yield Message(scale, Collective.ALL_REDUCE_MAX, last=False)
         shared = shared.clone()
+        if not self.packed:
+            yield from self._exchange_unpacked(inp, out, rows, shared, layout, ctx)
+            return
 
         lane = self.lane_bits(ctx.world_size)
         lanes = lanes_per_word(lane)

@@ -52,7 +52,11 @@ REGISTRY: dict[str, Entry] = {
     "topk": Entry(TopK, {"ratio": _ratio()}, "largest ratio·n magnitudes, all-gather"),
     "randomk": Entry(RandomK, {"ratio": _ratio()}, "ratio·n shared random coordinates, all-reduce"),
     "qsgd": Entry(QSGD, {"bits": _bits(2)}, "stochastic b-bit quantisation, packed, all-gather"),
-    "intquant": Entry(IntQuant, {"bits": _bits(2)}, "shared-scale b-bit integers summed in all-reduce"),
+    "intquant": Entry(
+        IntQuant,
+        {"bits": _bits(2), "packed": ParamSpec(int, 1, "0 or 1", lambda v: v in (0, 1))},
+        "shared-scale b-bit integers summed in all-reduce (packed=1: int64 lanes; 0: int8/16)",
+    ),
     "signsgd": Entry(SignSGD, {}, "1 bit a value plus a scale a parameter, all-gather"),
 }
 
@@ -150,16 +154,17 @@ def parse(text: str | CompressorConfig | Mapping[str, Any]) -> CompressorConfig:
     error_feedback = None
     entry = REGISTRY.get(name)
     args = [a.strip() for a in (call_args or short_arg or "").split(",") if a.strip()]
-    for arg in args:
+    positional = list(entry.params) if entry is not None else []
+    for position, arg in enumerate(args):
         if arg in ("ef", "no-ef"):
             error_feedback = arg == "ef"
             continue
         if "=" in arg:
             key, value = (s.strip() for s in arg.split("=", 1))
-        else:
-            if entry is None or len(entry.params) != 1:
+        else:  # unnamed values fill the parameters in their declared order
+            if position >= len(positional):
                 raise ValueError(f"cannot read compressor {text!r}: name the parameter, e.g. 'topk(ratio=0.01)'")
-            key, value = next(iter(entry.params)), arg
+            key, value = positional[position], arg
         try:
             params[key] = float(value) if any(c in value for c in ".eE") else int(value)
         except ValueError:
