@@ -37,6 +37,20 @@ def _stand_in(message: Message, world_size: int) -> torch.Tensor:
     return t.clone()
 
 
+class CacheFlusher:
+    """Evicts CPU caches by writing a buffer larger than them (untimed, between runs).
+
+    Without it a bucket that fits in L2/L3 (1M fp32 values is 4 MiB) is timed from cache,
+    and a "copy" reference stops measuring memory bandwidth.
+    """
+
+    def __init__(self, nbytes: int = 128 << 20) -> None:
+        self._buf = torch.zeros(nbytes // 4)
+
+    def __call__(self) -> None:
+        self._buf.add_(1.0)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -52,12 +66,15 @@ def run_once(
     step: int = 0,
     workspace: dict | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    flush: Callable[[], None] | None = None,
 ) -> CodecTiming:
     """One exchange on a copy of ``grad``; returns its encode and decode time."""
     buf = grad.clone()
     ctx = ExchangeContext(world_size, step=step, workspace=workspace if workspace is not None else {})
     exchange = guarded_exchange(compressor, buf, layout, state, residuals, ctx)
     device = grad.device
+    if flush is not None:
+        flush()
     _sync(device)
     wire = 0
     decode = 0.0
@@ -89,6 +106,7 @@ def measure(
     warmup: int = 2,
     device: str | torch.device = "cpu",
     grad: torch.Tensor | None = None,
+    flush: Callable[[], None] | None = None,
 ) -> CodecTiming:
     """Median encode/decode time over ``repeats`` exchanges after ``warmup`` ones."""
     device = torch.device(device)
@@ -98,7 +116,7 @@ def measure(
     workspace: dict = {}
     residuals = ResidualStore() if compressor.error_feedback else None
     runs = [
-        run_once(compressor, grad, layout, world_size, state, residuals, step, workspace)
+        run_once(compressor, grad, layout, world_size, state, residuals, step, workspace, flush=flush)
         for step in range(warmup + repeats)
     ][warmup:]
     return CodecTiming(
@@ -108,13 +126,17 @@ def measure(
     )
 
 
-def time_call(fn: Callable[[], object], repeats: int = 5, warmup: int = 2, device="cpu") -> float:
+def time_call(
+    fn: Callable[[], object], repeats: int = 5, warmup: int = 2, device="cpu", flush: Callable[[], None] | None = None
+) -> float:
     """Median wall time of ``fn()``."""
     device = torch.device(device)
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
+        if flush is not None:
+            flush()
         _sync(device)
         t0 = time.perf_counter()
         fn()
