@@ -52,6 +52,7 @@ def _rank_entry(
     os.environ.update(env)
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(threads)
+    report = Path(result_dir) / f"rank{rank}.err"
     try:
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout)
@@ -59,11 +60,17 @@ def _rank_entry(
         try:
             result = fn(rank, world_size, *args)
             _leave_together(store, rank, world_size)
+        except BaseException:
+            # written before the group closes, so the root cause is dated before the
+            # "connection reset" its peers will report next
+            report.write_text(traceback.format_exc())
+            raise
         finally:
             dist.destroy_process_group()
         torch.save(result, Path(result_dir) / f"rank{rank}.pt")
     except BaseException:
-        (Path(result_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        if not report.exists():
+            report.write_text(traceback.format_exc())
         raise
 
 
@@ -81,6 +88,20 @@ def _leave_together(store: dist.Store, rank: int, world_size: int) -> None:
         store.set(f"advisor/left/{rank}", "1")
     else:
         store.wait([f"advisor/left/{r}" for r in range(1, world_size)])
+
+
+def _first_failure(result_dir: str, reported: int, fallback: str) -> RankFailed:
+    """The rank that failed first (its peers usually fail next, of a broken connection)."""
+    time.sleep(0.5)  # let peers that fail in consequence write their reports
+    reports = sorted(Path(result_dir).glob("rank*.err"), key=lambda p: p.stat().st_mtime_ns)
+    if not reports:
+        return RankFailed(f"rank {reported} failed:\n{fallback}", reported)
+    first = int(reports[0].stem[4:])
+    message = f"rank {first} failed:\n{reports[0].read_text()}"
+    later = [int(p.stem[4:]) for p in reports[1:]]
+    if later:
+        message += f"\n(then rank(s) {later} failed in consequence)"
+    return RankFailed(message, first)
 
 
 def launch_local(
@@ -116,10 +137,7 @@ def launch_local(
                     alive = [i for i, p in enumerate(ctx.processes) if p.is_alive()]
                     raise RankFailed(f"rank(s) {alive} did not finish within {timeout:.0f} s", alive[0] if alive else None)
         except mp.ProcessRaisedException as exc:
-            rank = exc.error_index
-            detail = Path(result_dir, f"rank{rank}.err")
-            text = detail.read_text() if detail.exists() else str(exc)
-            raise RankFailed(f"rank {rank} failed:\n{text}", rank) from None
+            raise _first_failure(result_dir, exc.error_index, str(exc)) from None
         except mp.ProcessExitedException as exc:
             raise RankFailed(f"rank {exc.error_index} died (exit code {exc.exit_code})", exc.error_index) from None
         finally:

@@ -161,9 +161,8 @@ def install_expecting_error(rank: int, world_size: int, plan_dicts_by_rank):
     """Install the plan given for this rank; report the error raised, if any."""
     model = make_model()
     ddp = _ddp(model)
-    plan = Plan.from_dict(plan_dicts_by_rank[rank])
     try:
-        install(ddp, plan)
+        install(ddp, plan_dicts_by_rank[rank])
     except ValueError as exc:
         # the ranks must still be able to talk after a refused plan
         t = torch.ones(1)
@@ -232,3 +231,23 @@ def count_collectives(rank: int, world_size: int, plan_dict, steps: int):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     train(ddp, opt, rank, 0, steps)
     return {"channel": type(hook.channel).__name__, "params": _params(model), "step": hook.step}
+
+
+def fail_on_rank(rank: int, world_size: int, bad_rank: int):
+    """One rank raises while the other waits in a collective: the launcher must not hang."""
+    if rank == bad_rank:
+        raise RuntimeError("boom")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return float(t)
+
+
+def hang_on_rank(rank: int, world_size: int, bad_rank: int):
+    """One rank never reaches the collective its peer waits in."""
+    import time
+
+    if rank == bad_rank:
+        time.sleep(3600)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return float(t)

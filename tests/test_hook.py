@@ -117,6 +117,31 @@ def test_world_size_one_issues_no_collectives():
     assert all(torch.isfinite(p).all() for p in result["params"].values())
 
 
+def test_a_plan_that_one_rank_cannot_read_is_refused_on_every_rank():
+    plans = [rp.mixed_plan().to_dict(), {"kind": "y"}]
+    results = launch_local(rp.install_expecting_error, 2, (plans,), timeout=120)
+    for r in results:
+        assert "rank 1: not a plan: 'kind' is 'y'" in r["error"]
+        assert r["alive"] == 2.0
+
+
+def test_an_unknown_compressor_names_the_parameter_and_the_allowed_names():
+    bad = rp.mixed_plan().to_dict()
+    bad["groups"][0]["compressor"] = {"name": "zip", "params": {}}
+    results = launch_local(rp.install_expecting_error, 2, ([bad, bad],), timeout=120)
+    for r in results:
+        assert "plan group 0 (conv.weight): unknown compressor 'zip'; allowed: bf16, fp16" in r["error"]
+
+
 def test_a_failing_rank_is_reported_by_number_not_a_hang():
     with pytest.raises(RankFailed, match="rank 1 failed"):
-        launch_local(rp.install_expecting_error, 2, ([rp.mixed_plan().to_dict(), {"kind": "y"}],), timeout=60)
+        launch_local(rp.fail_on_rank, 2, (1,), timeout=60)
+
+
+def test_a_hanging_rank_ends_the_job_at_the_timeout():
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match=r"did not finish within 8 s"):
+        launch_local(rp.hang_on_rank, 2, (1,), timeout=8)
+    assert time.monotonic() - start < 30

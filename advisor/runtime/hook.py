@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..compressors.base import Compressor, ExchangeContext, SegmentLayout
 from ..compressors.registry import CompressorConfig
 from .channel import Job, LocalChannel, OrderedExecutor, ProcessGroupChannel
-from .plan import Plan
+from .plan import Plan, as_plan
 from .segment import ResidualStore, guarded_exchange
 
 log = logging.getLogger("advisor.runtime")
@@ -173,28 +174,30 @@ def _trainable_names(module: torch.nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in module.named_parameters() if p.requires_grad}
 
 
-def install(ddp_model: DistributedDataParallel, plan: Plan, group=None) -> CompressionHook:
-    """Validate ``plan`` against the model on every rank and register the hook.
+def install(
+    ddp_model: DistributedDataParallel, plan: Plan | Mapping[str, Any] | str | Path, group=None
+) -> CompressionHook:
+    """Validate ``plan`` (a Plan, its dict, or a JSON file path) on every rank; register the hook.
 
     Raises ValueError on every rank (never on some ranks only, which would hang the
-    others) when any rank's plan is invalid for the model or the ranks' plans differ.
-    Call before the first backward pass.
+    others) when any rank's plan cannot be read, is invalid for the model, or differs
+    from the other ranks' plans.  Call before the first backward pass.
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(
             f"install() needs a torch.nn.parallel.DistributedDataParallel model, got {type(ddp_model).__name__}"
         )
-    if not isinstance(plan, Plan):
-        raise TypeError(f"install() needs an advisor Plan, got {type(plan).__name__}; load one with Plan.load(path)")
     names = _trainable_names(ddp_model.module)
-    error = None
+    error, digest = None, None
     try:
+        plan = as_plan(plan)
         plan.check_against(names.values())
-    except ValueError as exc:
+        digest = plan.digest()
+    except (ValueError, TypeError) as exc:
         error = str(exc)
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world > 1:
-        mine = {"error": error, "digest": plan.digest(), "rank": dist.get_rank(group)}
+        mine = {"error": error, "digest": digest, "rank": dist.get_rank(group)}
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, mine, group=group)
         errors = [f"rank {e['rank']}: {e['error']}" for e in everyone if e["error"]]

@@ -27,9 +27,12 @@ class PlanGroup:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "parameters", tuple(self.parameters))
-        object.__setattr__(self, "compressor", parse(self.compressor))
         if not self.parameters:
-            raise ValueError(f"a plan group with compressor {self.compressor.label} names no parameters")
+            raise ValueError(f"a plan group with compressor {self.compressor!r} names no parameters")
+        try:
+            object.__setattr__(self, "compressor", parse(self.compressor))
+        except ValueError as exc:
+            raise ValueError(f"plan group of {_describe(self.parameters)}: {exc}") from None
 
 
 @dataclass
@@ -132,9 +135,10 @@ class Plan:
             if not isinstance(g["parameters"], Sequence) or isinstance(g["parameters"], str):
                 raise ValueError(f"plan group {i}: 'parameters' must be a list of names")
             try:
-                groups.append(PlanGroup(tuple(str(p) for p in g["parameters"]), CompressorConfig.from_dict(g["compressor"])))
+                config = CompressorConfig.from_dict(g["compressor"])
             except ValueError as exc:
-                raise ValueError(f"plan group {i} ({_first(g['parameters'])}): {exc}") from None
+                raise ValueError(f"plan group {i} ({_describe(g['parameters'])}): {exc}") from None
+            groups.append(PlanGroup(tuple(str(p) for p in g["parameters"]), config))
         return cls(
             groups=groups,
             default=CompressorConfig.from_dict(data.get("default", {"name": "none"})),
@@ -175,8 +179,22 @@ class Plan:
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _first(names: Any) -> str:
+def _describe(names: Any) -> str:
     try:
-        return str(list(names)[0])
-    except (TypeError, IndexError):
+        names = [str(n) for n in names]
+    except TypeError:
         return "?"
+    if not names:
+        return "no parameters"
+    return names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more"
+
+
+def as_plan(plan: "Plan | Mapping[str, Any] | str | Path") -> "Plan":
+    """A Plan from a Plan, its dict form, or a path to its JSON file."""
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, Mapping):
+        return Plan.from_dict(plan)
+    if isinstance(plan, (str, Path)):
+        return Plan.load(plan)
+    raise TypeError(f"expected a Plan, a plan dict or a path to a plan file, got {type(plan).__name__}")
