@@ -88,16 +88,27 @@ class ProcessGroupChannel(Channel):
 
 @dataclass
 class Job:
-    """A bucket: its segment exchanges and the future DDP waits on."""
+    """A bucket: its segment exchanges and the future DDP waits on.
+
+    ``first_messages`` holds each exchange's first message when the caller already ran
+    that first encode step (None where it did not), so only issuing remains ordered.
+    """
 
     exchanges: list[Exchange]
     future: torch.futures.Future
     result: torch.Tensor
     ends_iteration: bool
+    first_messages: list[Message | None] | None = None
     remaining: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.remaining = len(self.exchanges)
+        if self.first_messages is None:
+            self.first_messages = [None] * len(self.exchanges)
+
+    def encode_first(self) -> None:
+        """Run every exchange up to its first message, here and now (local work only)."""
+        self.first_messages = [next(exchange) for exchange in self.exchanges]
 
 
 @dataclass
@@ -164,12 +175,13 @@ class OrderedExecutor:
             self._fail_all(exc, job)
 
     def _issue(self, job: Job) -> None:
-        for exchange in job.exchanges:
-            try:
-                message = next(exchange)
-            except StopIteration:
-                self._segment_done(job)
-                continue
+        for exchange, message in zip(job.exchanges, job.first_messages):
+            if message is None:
+                try:
+                    message = next(exchange)
+                except StopIteration:
+                    self._segment_done(job)
+                    continue
             while True:
                 handle, result = self.channel.issue(message)
                 if message.last:

@@ -159,13 +159,19 @@ class CompressionHook:
 
 
 def compression_hook(state: CompressionHook, bucket):  # no annotations: DDP checks them by value
-    """DDP comm hook: hand the bucket to the ordered channel; the future yields the mean.
+    """DDP comm hook: encode the bucket, hand its collectives to the ordered channel.
+
+    The returned future yields the bucket's mean gradient.
 
     (DDP looks the second argument up by the name ``bucket``.)
     """
     job = state.make_job(bucket)
     if job.ends_iteration:
         state.step += 1
+    # Encode here, on the thread that runs backward, as PyTorch's own hooks do: encoding
+    # competes with backward for the device either way, and on CPU a second busy thread
+    # per rank only adds contention.  Only the collectives go to the ordered channel.
+    job.encode_first()
     state._executor.submit(job)
     return job.future
 
