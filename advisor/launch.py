@@ -37,6 +37,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def enter_netns(name: str) -> None:
+    """Move this process into network namespace ``name`` (as ``ip netns exec`` does).
+
+    Called first thing in a fresh rank process, before any socket or network thread
+    exists: threads created afterwards inherit the namespace.
+    """
+    import ctypes
+
+    clone_newnet = 0x40000000
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, clone_newnet) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {name!r} failed: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
 def _rank_entry(
     rank: int,
     fn: Callable[..., Any],
@@ -48,7 +67,10 @@ def _rank_entry(
     threads: int,
     timeout_s: float,
     env: Mapping[str, str],
+    netns: Sequence[str] | None,
 ) -> None:
+    if netns:
+        enter_netns(netns[rank])
     os.environ.update(env)
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(threads)
@@ -113,19 +135,25 @@ def launch_local(
     threads: int = 1,
     addr: str = "127.0.0.1",
     env: Mapping[str, str] | None = None,
+    netns: Sequence[str] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
 
     ``fn`` must be importable (defined at module level).  Returns the ranks' return values
-    in rank order.
+    in rank order.  ``netns`` places rank i in network namespace ``netns[i]`` (the
+    emulated cluster); ``addr`` is then rank 0's address there.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size}; allowed: an integer >= 1")
-    port = free_port(addr)
+    if netns is not None and len(netns) != world_size:
+        raise ValueError(f"got {len(netns)} network namespaces for {world_size} ranks")
+    # a fresh namespace has every port free; on the host, ask the OS for one
+    port = free_port() if netns else free_port(addr)
     with tempfile.TemporaryDirectory(prefix="advisor-ranks-") as result_dir:
         ctx = mp.start_processes(
             _rank_entry,
-            args=(fn, world_size, addr, port, tuple(args), result_dir, threads, timeout, dict(env or {})),
+            args=(fn, world_size, addr, port, tuple(args), result_dir, threads, timeout, dict(env or {}),
+                  list(netns) if netns else None),
             nprocs=world_size,
             join=False,
             start_method="spawn",

@@ -1,0 +1,193 @@
+"""An emulated cluster on one machine: N hosts in network namespaces behind a shaped switch.
+
+Each host is a network namespace with one veth interface; the other ends of the veths sit
+on a bridge in a "switch" namespace.  Every link is shaped with ``tc tbf`` in both
+directions (host egress and switch egress towards the host), so each host sees a full-
+duplex link of the given rate, like a real host on a switched network.  One rank runs in
+each host, with gloo bound to the host's interface (``GLOO_SOCKET_IFNAME``).
+
+Needs root and iproute2 (``ip``, ``tc``).  Addresses are private ones on the testbed's own
+veths, inside its own namespaces; nothing leaves the machine.  Namespaces are always
+removed on exit, even when a rank fails.
+
+    with EmulatedCluster(hosts=2, rate="1gbit") as cluster:
+        results = cluster.run(my_fn, args=(...,))
+
+Compute is shared: all ranks run on this machine's cores (BACKGROUND.md section 4).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import shutil
+import subprocess
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .launch import launch_local
+
+_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?)(bit|bps)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
+
+
+def parse_rate(rate: str | float | int) -> float:
+    """Bits per second from ``"100mbit"``, ``"1gbit"``, ``"10Gbit"`` or a number."""
+    if isinstance(rate, (int, float)):
+        if rate <= 0:
+            raise ValueError(f"rate={rate!r}; allowed: a positive number of bits per second")
+        return float(rate)
+    match = _RATE.match(str(rate))
+    if not match:
+        raise ValueError(f"cannot read rate {rate!r}; write e.g. '100mbit', '1gbit' or a number of bit/s")
+    value, unit, kind = match.groups()
+    bits = float(value) * _UNITS[unit.lower()]
+    if (kind or "bit").lower() == "bps":  # bytes per second, tc's spelling
+        bits *= 8
+    if bits <= 0:
+        raise ValueError(f"rate {rate!r} must be positive")
+    return bits
+
+
+def unavailable_reason() -> str | None:
+    """Why an emulated cluster cannot be built here, or None if it can."""
+    if os.geteuid() != 0:
+        return "the emulated cluster needs root (network namespaces and tc)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"the emulated cluster needs iproute2 ('{tool}' not found); install it (apt-get install iproute2)"
+    probe = f"advprobe{uuid.uuid4().hex[:6]}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create network namespaces here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _sh(*args: str, ns: str | None = None) -> None:
+    cmd = (["ip", "netns", "exec", ns] if ns else []) + list(args)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"emulated cluster: `{' '.join(cmd)}` failed: {done.stderr.strip()}")
+
+
+@dataclass
+class EmulatedCluster:
+    """``hosts`` namespaces on a switch, every link shaped to ``rate`` (None: unshaped)."""
+
+    hosts: int = 2
+    rate: str | float | None = "1gbit"
+    delay_ms: float = 0.0
+    subnet: int = field(default_factory=lambda: 16 + uuid.uuid4().int % 200)
+    _tag: str = field(default_factory=lambda: uuid.uuid4().hex[:6], repr=False)
+    _up: bool = field(default=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.hosts, int) or not 1 <= self.hosts <= 64:
+            raise ValueError(f"hosts={self.hosts!r}; allowed: an integer in 1..64")
+        self.rate_bps = None if self.rate is None else parse_rate(self.rate)
+        if self.delay_ms < 0:
+            raise ValueError(f"delay_ms={self.delay_ms}; allowed: >= 0")
+
+    # --- names --------------------------------------------------------------------
+    @property
+    def switch(self) -> str:
+        return f"advsw{self._tag}"
+
+    def host(self, i: int) -> str:
+        return f"advh{self._tag}{i}"
+
+    def address(self, i: int) -> str:
+        return f"10.213.{self.subnet}.{i + 1}"
+
+    interface = "eth0"  # the host side of each veth, renamed inside its namespace
+
+    # --- lifecycle ----------------------------------------------------------------
+    def __enter__(self) -> "EmulatedCluster":
+        reason = unavailable_reason()
+        if reason:
+            raise RuntimeError(reason)
+        atexit.register(self.close)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _shape(self, dev: str, ns: str) -> None:
+        if self.rate_bps is None and not self.delay_ms:
+            return
+        if self.rate_bps is not None:
+            # burst of at least one timer tick of data (and 64 KiB), queue up to 100 ms
+            burst = max(64 * 1024, int(self.rate_bps / 8 / 250))
+            _sh("tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf",
+                "rate", f"{int(self.rate_bps)}bit", "burst", str(burst), "latency", "100ms", ns=ns)
+            if self.delay_ms:
+                _sh("tc", "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "netem",
+                    "delay", f"{self.delay_ms}ms", ns=ns)
+        else:
+            _sh("tc", "qdisc", "add", "dev", dev, "root", "netem", "delay", f"{self.delay_ms}ms", ns=ns)
+
+    def _build(self) -> None:
+        self._up = True
+        _sh("ip", "netns", "add", self.switch)
+        _sh("ip", "link", "add", "br0", "type", "bridge", ns=self.switch)
+        _sh("ip", "link", "set", "br0", "up", ns=self.switch)
+        for i in range(self.hosts):
+            ns, peer, local = self.host(i), f"s{i}", f"h{self._tag}{i}"
+            _sh("ip", "netns", "add", ns)
+            _sh("ip", "link", "add", local, "type", "veth", "peer", "name", peer, "netns", self.switch)
+            _sh("ip", "link", "set", local, "netns", ns)
+            _sh("ip", "link", "set", local, "name", self.interface, ns=ns)
+            _sh("ip", "addr", "add", f"{self.address(i)}/24", "dev", self.interface, ns=ns)
+            _sh("ip", "link", "set", self.interface, "up", ns=ns)
+            _sh("ip", "link", "set", "lo", "up", ns=ns)
+            _sh("ip", "link", "set", peer, "master", "br0", ns=self.switch)
+            _sh("ip", "link", "set", peer, "up", ns=self.switch)
+            self._shape(self.interface, ns)
+            self._shape(peer, self.switch)
+
+    def close(self) -> None:
+        """Remove every namespace this cluster made (idempotent)."""
+        if not self._up:
+            return
+        for ns in [self.host(i) for i in range(self.hosts)] + [self.switch]:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self._up = False
+
+    # --- running ranks --------------------------------------------------------------
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        *,
+        timeout: float = 300.0,
+        threads: int = 1,
+    ) -> list[Any]:
+        """``fn(rank, world_size, *args)`` with rank i in host i; results in rank order."""
+        if not self._up:
+            raise RuntimeError("the emulated cluster is not up; use it as `with EmulatedCluster(...) as c:`")
+        return launch_local(
+            fn,
+            self.hosts,
+            args,
+            timeout=timeout,
+            threads=threads,
+            addr=self.address(0),
+            # TORCH_CPP_LOG_LEVEL: c10d warns that namespaced hosts have no hostname
+            env={"GLOO_SOCKET_IFNAME": self.interface, "TORCH_CPP_LOG_LEVEL": "ERROR"},
+            netns=[self.host(i) for i in range(self.hosts)],
+        )
+
+    def describe(self) -> str:
+        rate = "unshaped" if self.rate_bps is None else f"{self.rate_bps / 1e6:g} Mbit/s"
+        return f"{self.hosts} hosts in network namespaces, links {rate}" + (
+            f", +{self.delay_ms} ms" if self.delay_ms else ""
+        )
