@@ -125,8 +125,9 @@ class EmulatedCluster:
         if self.rate_bps is None and not self.delay_ms:
             return
         if self.rate_bps is not None:
-            # burst of at least one timer tick of data (and 64 KiB), queue up to 100 ms
-            burst = max(64 * 1024, int(self.rate_bps / 8 / 250))
+            # A small bucket (1 ms of data, at least 16 KiB): a bigger one lets small
+            # messages through at memory speed and hides the link's latency.
+            burst = max(16 * 1024, int(self.rate_bps / 8 / 1000))
             _sh("tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf",
                 "rate", f"{int(self.rate_bps)}bit", "burst", str(burst), "latency", "100ms", ns=ns)
             if self.delay_ms:

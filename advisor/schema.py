@@ -1,0 +1,108 @@
+"""Typed JSON round-trip for the dataclasses that cross package boundaries.
+
+``to_jsonable`` turns a dataclass tree into plain JSON values; ``from_jsonable`` builds it
+back, checking every field against the dataclass's type hints and naming the path of the
+first bad value (``compute.parameters[3].ready_s: expected a number, got 'x'``).  Written
+here because the standard library has no validating reader and the data is small.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+
+class SchemaError(ValueError):
+    """A JSON document does not match the dataclass it should describe."""
+
+
+def to_jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    return value
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) < 60 else text[:57] + "..."
+
+
+def from_jsonable(cls: Any, data: Any, path: str = "") -> Any:
+    """Build ``cls`` (a dataclass or a typing form) from JSON ``data``, validating it."""
+    where = path or "document"
+    origin = get_origin(cls)
+    if cls is Any:
+        return data
+    if origin in (Union, types.UnionType):
+        options = get_args(cls)
+        if data is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return from_jsonable(option, data, path)
+            except SchemaError as exc:
+                errors.append(str(exc))
+        raise SchemaError(errors[0] if len(errors) == 1 else f"{where}: {_describe(data)} matches none of {options}")
+    if origin in (list, tuple, typing.Sequence) or cls in (list, tuple):
+        if not isinstance(data, list):
+            raise SchemaError(f"{where}: expected a list, got {_describe(data)}")
+        args = get_args(cls)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(args) != len(data):
+                raise SchemaError(f"{where}: expected {len(args)} items, got {len(data)}")
+            return tuple(from_jsonable(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, data)))
+        item = args[0] if args else Any
+        items = [from_jsonable(item, v, f"{path}[{i}]") for i, v in enumerate(data)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict or cls is dict:
+        if not isinstance(data, dict):
+            raise SchemaError(f"{where}: expected an object, got {_describe(data)}")
+        args = get_args(cls)
+        value_type = args[1] if args else Any
+        return {str(k): from_jsonable(value_type, v, f"{path}.{k}" if path else str(k)) for k, v in data.items()}
+    if dataclasses.is_dataclass(cls):
+        if not isinstance(data, dict):
+            raise SchemaError(f"{where}: expected an object for {cls.__name__}, got {_describe(data)}")
+        hints = get_type_hints(cls)
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise SchemaError(f"{where}: unknown field(s) {unknown} for {cls.__name__}")
+        kwargs = {}
+        for name, f in fields.items():
+            sub = f"{path}.{name}" if path else name
+            if name not in data:
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                    raise SchemaError(f"{sub}: missing")
+                continue
+            kwargs[name] = from_jsonable(hints[name], data[name], sub)
+        try:
+            return cls(**kwargs)
+        except (ValueError, TypeError) as exc:
+            raise SchemaError(f"{where}: {exc}") from None
+    if cls is float:
+        if isinstance(data, bool) or not isinstance(data, (int, float)):
+            raise SchemaError(f"{where}: expected a number, got {_describe(data)}")
+        return float(data)
+    if cls is int:
+        if isinstance(data, bool) or not isinstance(data, int):
+            raise SchemaError(f"{where}: expected an integer, got {_describe(data)}")
+        return data
+    if cls is bool:
+        if not isinstance(data, bool):
+            raise SchemaError(f"{where}: expected true or false, got {_describe(data)}")
+        return data
+    if cls is str:
+        if not isinstance(data, str):
+            raise SchemaError(f"{where}: expected a string, got {_describe(data)}")
+        return data
+    raise SchemaError(f"{where}: cannot read type {cls!r}")

@@ -1,0 +1,129 @@
+"""Collective latency and bandwidth between the real ranks, fitted with scikit-learn.
+
+Every rank runs the same schedule: for each collective and each message size (4 KiB
+doubling to 64 MiB), a warm-up op, then timed ops, each started after a barrier and timed
+as the slowest rank saw it.  Sizes stop growing once one op takes longer than
+``max_op_s`` (a 64 MiB all-reduce at 100 Mbit/s takes seconds and says nothing more about
+bandwidth than a 4 MiB one), so the whole run fits a time budget.  A robust linear model
+(Huber) fits ``t = latency + bytes · seconds_per_byte`` per collective, weighted so small
+messages (which carry the latency) count as much as large ones.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from sklearn.linear_model import HuberRegressor
+from sklearn.metrics import r2_score
+
+from .profile import CollectiveFit, NetworkProfile
+
+COLLECTIVES = ("all_reduce", "all_gather", "broadcast")
+MIN_BYTES = 4 << 10
+MAX_BYTES = 64 << 20
+
+
+def _op(collective: str, nbytes: int, group):
+    world = dist.get_world_size(group)
+    t = torch.ones(max(1, nbytes // 4))
+    if collective == "all_reduce":
+        return lambda: dist.all_reduce(t, group=group)
+    if collective == "all_gather":
+        out = torch.empty(world * t.numel())
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: gather(out, t, group=group)
+    if collective == "broadcast":
+        return lambda: dist.broadcast(t, src=0, group=group)
+    raise ValueError(f"unknown collective {collective!r}; allowed: {', '.join(COLLECTIVES)}")
+
+
+def _slowest(seconds: float, group) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
+
+
+def time_collective(collective: str, nbytes: int, repeats: int, group=None) -> list[float]:
+    """Seconds of each timed op, as the slowest rank saw it."""
+    op = _op(collective, nbytes, group)
+    op()  # warm-up: connections, buffers
+    times = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        op()
+        times.append(_slowest(time.perf_counter() - t0, group))
+    return times
+
+
+def algorithm_factor(collective: str, world_size: int) -> float:
+    """Bytes crossing each link per byte of a rank's input, for gloo's algorithms."""
+    p = world_size
+    if p <= 1:
+        return 0.0
+    if collective == "all_reduce":
+        return 2.0 * (p - 1) / p  # ring: reduce-scatter then all-gather
+    if collective == "all_gather":
+        return float(p - 1)  # every other rank's share arrives over the link
+    return float(p - 1)  # broadcast: gloo's root sends every peer a full copy (measured)
+
+
+def fit_collective(collective: str, world_size: int, points: list[tuple[int, float]]) -> CollectiveFit:
+    """Robust linear fit of time against bytes (scikit-learn's HuberRegressor)."""
+    x = np.array([[b] for b, _ in points], dtype=np.float64)
+    y = np.array([t for _, t in points], dtype=np.float64)
+    scale = x.max()
+    # weights ~ 1/t: every size counts about equally in relative terms, so small
+    # messages (which carry the latency) are not drowned by large ones
+    weights = 1.0 / np.maximum(y, 1e-9)
+    model = HuberRegressor(epsilon=1.5, alpha=0.0, max_iter=1000)
+    model.fit(x / scale, y, sample_weight=weights / weights.mean())
+    seconds_per_byte = max(float(model.coef_[0]) / scale, 1e-15)
+    latency = max(float(model.intercept_), 0.0)
+    predicted = latency + x[:, 0] * seconds_per_byte
+    factor = algorithm_factor(collective, world_size)
+    bandwidth = factor * 8.0 / seconds_per_byte if factor else float("inf")
+    return CollectiveFit(
+        collective=collective,
+        world_size=world_size,
+        latency_s=latency,
+        seconds_per_byte=seconds_per_byte,
+        bandwidth_bps=bandwidth if np.isfinite(bandwidth) else 0.0,
+        r2=float(r2_score(y, predicted)) if len(points) > 2 else 1.0,
+        points=[[float(b), float(t)] for b, t in points],
+    )
+
+
+def profile_network(
+    group=None,
+    collectives=COLLECTIVES,
+    min_bytes: int = MIN_BYTES,
+    max_bytes: int = MAX_BYTES,
+    repeats: int = 3,
+    max_op_s: float = 0.6,
+    budget_s: float = 25.0,
+) -> NetworkProfile:
+    """Measure and fit every collective; call on every rank at the same point."""
+    start = time.perf_counter()
+    world = dist.get_world_size(group)
+    fits = {}
+    per_collective_budget = budget_s / max(1, len(collectives))
+    for collective in collectives:
+        points: list[tuple[int, float]] = []
+        began = time.perf_counter()
+        nbytes = min_bytes
+        while nbytes <= max_bytes:
+            times = time_collective(collective, nbytes, repeats, group)
+            points += [(nbytes, t) for t in times]
+            slowest = statistics.median(times)
+            # every rank decides from the same (all-reduced) numbers: schedules stay aligned
+            spent = _slowest(time.perf_counter() - began, group)
+            if slowest > max_op_s or spent + 2.5 * slowest * (repeats + 1) > per_collective_budget:
+                break
+            nbytes *= 2
+        fits[collective] = fit_collective(collective, world, points)
+    return NetworkProfile(fits=fits, elapsed_s=time.perf_counter() - start)

@@ -1,0 +1,210 @@
+"""The cluster profile: what the profilers measured, as typed, versioned JSON.
+
+Everything the performance model and the policies need, and nothing they must guess:
+compute timings and the DDP bucket layout, fitted collective costs with their raw points,
+kernel costs of each candidate compressor with a fitted size model, gradient fidelity of
+each candidate per bucket, and the environment it was all measured in.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from advisor.schema import SchemaError, from_jsonable, to_jsonable
+
+PROFILE_VERSION = 1
+PROFILE_KIND = "compression-advisor/cluster-profile"
+
+
+def _finite(name: str, value: float, minimum: float = 0.0) -> None:
+    if not math.isfinite(value) or value < minimum:
+        raise ValueError(f"{name}={value!r}; allowed: a finite number >= {minimum}")
+
+
+@dataclass
+class ParameterTiming:
+    """One parameter: its gradient is ready ``ready_s`` after backward starts (slowest rank)."""
+
+    name: str
+    layer: str
+    numel: int
+    shape: list[int]
+    ready_s: float
+
+    def __post_init__(self) -> None:
+        _finite(f"{self.name}.ready_s", self.ready_s)
+
+
+@dataclass
+class Bucket:
+    """A DDP bucket after DDP's rebuild: its parameters in bucket order."""
+
+    index: int
+    parameters: list[str]
+    numel: int
+
+
+@dataclass
+class ComputeProfile:
+    """Per-step compute with communication off (``no_sync``), slowest rank, medians."""
+
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    steps: int
+    parameters: list[ParameterTiming]
+    layer_backward_s: dict[str, float]
+    buckets: list[Bucket]
+    backward_s_by_rank: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for name in ("forward_s", "backward_s", "optimizer_s"):
+            _finite(name, getattr(self, name))
+
+    @property
+    def step_s(self) -> float:
+        return self.forward_s + self.backward_s + self.optimizer_s
+
+
+@dataclass
+class CollectiveFit:
+    """``seconds(nbytes) = latency_s + nbytes * seconds_per_byte`` for one collective.
+
+    ``nbytes`` is what one rank contributes (its input).  ``bandwidth_bps`` is the link
+    rate the fit implies once the algorithm's factor is taken out (ring all-reduce moves
+    2(p-1)/p of the data over each link, all-gather p-1 times a rank's share).
+    """
+
+    collective: str
+    world_size: int
+    latency_s: float
+    seconds_per_byte: float
+    bandwidth_bps: float
+    r2: float
+    points: list[list[float]]
+
+    def predict(self, nbytes: float) -> float:
+        return self.latency_s + nbytes * self.seconds_per_byte
+
+
+@dataclass
+class NetworkProfile:
+    fits: dict[str, CollectiveFit]
+    elapsed_s: float
+
+
+@dataclass
+class KernelCost:
+    """Encode/decode time of one compressor config on this device, by bucket size.
+
+    ``points`` are measured ``[numel, encode_s, decode_s]``; the fitted model predicts
+    ``encode_s = encode_coef[0] + encode_coef[1]·numel`` (and likewise decode).
+    """
+
+    config: str
+    points: list[list[float]]
+    encode_coef: list[float]
+    decode_coef: list[float]
+    world_size: int
+
+    def predict(self, numel: float) -> tuple[float, float]:
+        enc = max(0.0, self.encode_coef[0] + self.encode_coef[1] * numel)
+        dec = max(0.0, self.decode_coef[0] + self.decode_coef[1] * numel)
+        return enc, dec
+
+
+@dataclass
+class KernelProfile:
+    device: str
+    costs: dict[str, KernelCost]
+
+
+@dataclass
+class FidelityEntry:
+    """How one config distorts one bucket's real gradients, with error feedback.
+
+    ``relative_error = ||Σ applied - Σ true|| / ||Σ true||`` over the captured steps;
+    ``compression_gain`` is GraVAC's mean ``||C(g)|| / ||g||``.
+    """
+
+    bucket: int
+    config: str
+    relative_error: float
+    compression_gain: float
+
+
+@dataclass
+class FidelityProfile:
+    steps: int
+    world_size: int
+    entries: list[FidelityEntry]
+
+
+@dataclass
+class Environment:
+    world_size: int
+    backend: str
+    device: str
+    torch_version: str
+    advisor_version: str
+    hosts: list[str]
+    threads: int
+    created: str
+    note: str = ""
+
+
+@dataclass
+class ClusterProfile:
+    environment: Environment
+    compute: ComputeProfile
+    network: NetworkProfile | None = None
+    kernels: KernelProfile | None = None
+    fidelity: FidelityProfile | None = None
+    kind: str = PROFILE_KIND
+    version: int = PROFILE_VERSION
+
+    def to_dict(self) -> dict:
+        return to_jsonable(self)
+
+    @classmethod
+    def from_dict(cls, data) -> "ClusterProfile":
+        if not isinstance(data, dict):
+            raise ValueError(f"a cluster profile must be a JSON object, got {type(data).__name__}")
+        if data.get("kind") != PROFILE_KIND:
+            raise ValueError(f"not a cluster profile: 'kind' is {data.get('kind')!r}, expected {PROFILE_KIND!r}")
+        if data.get("version") != PROFILE_VERSION:
+            raise ValueError(
+                f"cluster profile version {data.get('version')!r} is not supported (this advisor reads "
+                f"version {PROFILE_VERSION}); profile the cluster again with this version"
+            )
+        try:
+            return from_jsonable(cls, data)
+        except SchemaError as exc:
+            raise ValueError(f"malformed cluster profile: {exc}") from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ClusterProfile":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"cluster profile is not valid JSON: {exc}") from None
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ClusterProfile":
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"profile file {str(p)!r} does not exist")
+        try:
+            return cls.from_json(p.read_text())
+        except ValueError as exc:
+            raise ValueError(f"{p}: {exc}") from None
