@@ -18,16 +18,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .launch import launch_local
 from .runtime import Plan, install
+from .workloads import mlp
 
 DEFAULT_CONFIGS = ("none", "fp16", "bf16", "powersgd(rank=4)", "topk(ratio=0.01)", "intquant(bits=4)")
 
 
 def bundled_mlp() -> nn.Module:
     """BACKGROUND.md's 5.3M-parameter MLP: Linear 1024-2048-1024-1024-10."""
-    return nn.Sequential(
-        nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 1024), nn.ReLU(),
-        nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10),
-    )
+    return mlp().model
 
 
 @dataclass

@@ -19,16 +19,14 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from advisor import workloads
 from advisor.launch import launch_local
 from advisor.runtime import Plan, install
 
 
 def mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 1024), nn.ReLU(),
-        nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10),
-    )
+    return workloads.mlp().model
 
 
 def _rank(rank: int, world_size: int, steps: int, rounds: int, plan_json: str):

@@ -1,0 +1,87 @@
+"""Workloads: a model with its loss and data, named ``package.module:factory`` on the CLI.
+
+A factory is a zero-argument callable returning a :class:`Workload`.  Every rank calls it
+(with the same seed), so it must build the same model everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+
+@dataclass
+class Workload:
+    """What the advisor needs to run training steps of a model."""
+
+    model: nn.Module
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor]
+    batches: Iterable[Any]
+    make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None
+    name: str = "workload"
+
+    def optimizer(self) -> torch.optim.Optimizer:
+        params = self.model.parameters()
+        if self.make_optimizer is None:
+            return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+        return self.make_optimizer(params)
+
+
+def load_factory(spec: str) -> Callable[[], Workload]:
+    """Import ``package.module:factory``; errors say what is wrong and how to write it."""
+    if not isinstance(spec, str) or spec.count(":") != 1:
+        raise ValueError(f"model factory {spec!r}: write it as 'package.module:function'")
+    module_name, attr = spec.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # the user's module may fail in any way while importing
+        raise ValueError(f"model factory {spec!r} does not import: {type(exc).__name__}: {exc}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ValueError(f"model factory {spec!r}: module {module_name!r} has no callable {attr!r}")
+    return factory
+
+
+def build_workload(spec: str, seed: int = 0) -> Workload:
+    factory = load_factory(spec)
+    torch.manual_seed(seed)
+    workload = factory()
+    if not isinstance(workload, Workload):
+        raise ValueError(
+            f"model factory {spec!r} returned {type(workload).__name__}; it must return advisor.workloads.Workload"
+        )
+    return workload
+
+
+def _cross_entropy(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def synthetic_batches(shape: tuple[int, ...], classes: int, count: int = 8, seed: int = 0) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(*shape, generator=g), torch.randint(0, classes, (shape[0],), generator=g)) for _ in range(count)]
+
+
+def mlp() -> Workload:
+    """BACKGROUND.md's 5.3M-parameter MLP (Linear 1024-2048-1024-1024-10), batch 64."""
+    model = nn.Sequential(
+        nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 1024), nn.ReLU(),
+        nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10),
+    )
+    return Workload(model, _cross_entropy, synthetic_batches((64, 1024), 10), name="mlp-5.3M")
+
+
+def small_cnn() -> Workload:
+    """A small CNN on 32x32 images (conv weights are 4-D: PowerSGD reshapes them)."""
+    model = nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * 8 * 8, 256), nn.ReLU(), nn.Linear(256, 10),
+    )
+    return Workload(model, _cross_entropy, synthetic_batches((32, 3, 32, 32), 10), name="cnn")

@@ -1,0 +1,138 @@
+"""Profile a cluster: from inside a running job, or by launching the ranks for a model.
+
+``profile_cluster`` runs on every rank of an initialised process group (``torchrun`` or
+the advisor's own launcher) and returns the same :class:`ClusterProfile` on every rank.
+``profile_model`` is the CLI-friendly path: it launches the ranks itself, locally or on an
+emulated cluster, for a model named ``package.module:factory``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import advisor
+from advisor.compressors import SegmentLayout
+
+from .compute import LossFn, profile_compute
+from .fidelity import bucket_layout, profile_fidelity
+from .kernels import DEFAULT_CONFIGS, fit_linear, profile_kernels
+from .network import profile_network
+from .profile import ClusterProfile, Environment, KernelCost, KernelProfile
+
+
+def _environment(ddp: DistributedDataParallel, group, note: str) -> Environment:
+    world = dist.get_world_size(group)
+    hosts: list[Any] = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    device = next(ddp.module.parameters()).device
+    return Environment(
+        world_size=world,
+        backend=str(dist.get_backend(group)),
+        device=str(device),
+        torch_version=torch.__version__,
+        advisor_version=advisor.__version__,
+        hosts=[str(h) for h in hosts],
+        threads=torch.get_num_threads(),
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        note=note,
+    )
+
+
+def _slowest_kernels(local: KernelProfile, group) -> KernelProfile:
+    """Every rank measured its own kernels at the same time; keep the slowest, refit."""
+    costs = {}
+    for label, cost in local.costs.items():
+        points = torch.tensor(cost.points, dtype=torch.float64)
+        dist.all_reduce(points, op=dist.ReduceOp.MAX, group=group)
+        rows = points.tolist()
+        numels = [r[0] for r in rows]
+        costs[label] = KernelCost(
+            config=label,
+            points=rows,
+            encode_coef=fit_linear(numels, [r[1] for r in rows]),
+            decode_coef=fit_linear(numels, [r[2] for r in rows]),
+            world_size=cost.world_size,
+        )
+    return KernelProfile(device=local.device, costs=costs)
+
+
+def profile_cluster(
+    ddp: DistributedDataParallel,
+    loss_fn: LossFn,
+    batches: Iterable[Any],
+    optimizer: torch.optim.Optimizer | None = None,
+    configs: Sequence[str] = DEFAULT_CONFIGS,
+    *,
+    steps: int = 8,
+    warmup: int = 3,
+    network: bool = True,
+    kernels: bool = True,
+    fidelity: bool = True,
+    fidelity_steps: int = 6,
+    group=None,
+    note: str = "",
+) -> ClusterProfile:
+    """Profile compute, network, kernels and fidelity; call on every rank."""
+    if not dist.is_initialized():
+        raise RuntimeError("profile_cluster needs an initialised process group (torchrun, or advisor.launch)")
+    batches = list(batches) if not isinstance(batches, list) else batches
+    environment = _environment(ddp, group, note)
+    compute = profile_compute(ddp, loss_fn, batches, optimizer, steps=steps, warmup=warmup, group=group)
+    net = profile_network(group=group) if network else None
+    layouts: list[SegmentLayout] = [bucket_layout(b, ddp) for b in compute.buckets]
+    kern = None
+    if kernels:
+        device = next(ddp.module.parameters()).device
+        local = profile_kernels(layouts, configs, world_size=environment.world_size, device=device)
+        kern = _slowest_kernels(local, group)
+    fid = (
+        profile_fidelity(ddp, loss_fn, batches, compute.buckets, configs, steps=fidelity_steps, group=group)
+        if fidelity
+        else None
+    )
+    return ClusterProfile(environment=environment, compute=compute, network=net, kernels=kern, fidelity=fid)
+
+
+def _profile_rank(rank: int, world_size: int, spec: str, kwargs: dict) -> ClusterProfile | None:
+    from advisor.workloads import build_workload
+
+    workload = build_workload(spec)
+    ddp = DistributedDataParallel(workload.model)
+    profile = profile_cluster(ddp, workload.loss_fn, workload.batches, workload.optimizer(), **kwargs)
+    return profile if rank == 0 else None
+
+
+def profile_model(
+    spec: str,
+    nproc: int = 2,
+    *,
+    rate: str | None = None,
+    timeout: float = 600.0,
+    **kwargs: Any,
+) -> ClusterProfile:
+    """Launch ``nproc`` ranks for the workload ``spec`` and profile them.
+
+    ``rate`` (e.g. ``"1gbit"``) runs them on an emulated cluster with links of that rate
+    (needs root and iproute2); otherwise on local processes over loopback.  A rank that
+    fails or hangs ends the job with an error naming it, after at most ``timeout`` s.
+    """
+    from advisor.workloads import load_factory
+
+    load_factory(spec)  # fail fast, in this process, on a factory that does not import
+    if rate is None:
+        from advisor.launch import launch_local
+
+        kwargs.setdefault("note", f"{nproc} local processes over loopback")
+        return launch_local(_profile_rank, nproc, (spec, kwargs), timeout=timeout)[0]
+    from advisor.emulated import EmulatedCluster
+
+    with EmulatedCluster(hosts=nproc, rate=rate) as cluster:
+        kwargs.setdefault("note", f"emulated cluster: {cluster.describe()}")
+        return cluster.run(_profile_rank, (spec, kwargs), timeout=timeout)[0]

@@ -1,0 +1,189 @@
+"""Compute profile: forward, backward and optimizer time, gradient-ready times, DDP buckets.
+
+Steps run under ``ddp.no_sync()`` so no communication is timed.  Each parameter's
+gradient-ready time comes from ``Tensor.register_post_accumulate_grad_hook`` (it fires
+right after the gradient is accumulated, before DDP would hand the bucket over), relative
+to the start of backward.  Each layer's backward cost is the gap between its last gradient
+and the previous layer's, in backward order.  Numbers are medians over the timed steps on
+each rank, then the slowest rank's (it sets the pace of synchronous training).
+
+Profiling leaves training state as it found it: model and optimizer state are saved
+before and restored after, hooks are removed, and gradients are cleared.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from .profile import Bucket, ComputeProfile, ParameterTiming
+
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+def _named_trainable(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+def layer_of(name: str) -> str:
+    """The module a parameter belongs to (``encoder.fc1.weight`` -> ``encoder.fc1``)."""
+    return name.rsplit(".", 1)[0] if "." in name else name
+
+
+def ddp_buckets(ddp: DistributedDataParallel, loss_fn: LossFn, batch: Any) -> list[Bucket]:
+    """DDP's rebuilt bucket layout (which parameters share a bucket, in which order).
+
+    DDP reports it through its logging data once it has rebuilt its buckets (after the
+    second synchronised backward pass); if it has not yet, this runs synchronised
+    backward passes (gradients only, no optimizer step) until it has.
+    """
+    named = _named_trainable(ddp.module)
+    for _ in range(4):
+        data = ddp._get_ddp_logging_data()
+        indices = data.get("rebuilt_per_bucket_param_indices")
+        if indices:
+            buckets = []
+            for i, group in enumerate(str(indices).split(", ")):
+                names = [named[int(j)][0] for j in group.split()]
+                numel = sum(named[int(j)][1].numel() for j in group.split())
+                buckets.append(Bucket(index=i, parameters=names, numel=numel))
+            return buckets
+        ddp.zero_grad(set_to_none=True)
+        loss_fn(ddp, batch).backward()
+    # Older or newer PyTorch without that logging: DDP's documented rule, one cap per
+    # bucket filled in reverse parameter order.
+    cap = int(data.get("bucket_cap_bytes", 25 << 20))
+    buckets, current, size = [], [], 0
+    for name, p in reversed(named):
+        current.append(name)
+        size += p.numel() * p.element_size()
+        if size >= cap:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    by_name = dict(named)
+    return [Bucket(i, b, sum(by_name[n].numel() for n in b)) for i, b in enumerate(buckets)]
+
+
+def _slowest(values: list[float], group) -> list[float]:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def _gather(value: float, group) -> list[float]:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [value]
+    out = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, torch.tensor([value], dtype=torch.float64), group=group)
+    return [float(t) for t in out]
+
+
+def layer_costs(ready: dict[str, float], order: list[str]) -> dict[str, float]:
+    """Backward cost of each layer from gradient-ready times (seconds from backward start)."""
+    layer_ready: dict[str, float] = {}
+    for name in order:
+        layer = layer_of(name)
+        layer_ready[layer] = max(layer_ready.get(layer, 0.0), ready[name])
+    costs, previous = {}, 0.0
+    for layer, t in sorted(layer_ready.items(), key=lambda kv: kv[1]):
+        costs[layer] = max(0.0, t - previous)
+        previous = t
+    return costs
+
+
+def profile_compute(
+    ddp: DistributedDataParallel,
+    loss_fn: LossFn,
+    batches: Iterable[Any],
+    optimizer: torch.optim.Optimizer | None = None,
+    steps: int = 8,
+    warmup: int = 3,
+    group=None,
+) -> ComputeProfile:
+    """Profile compute on every rank (call it on all ranks at the same point).
+
+    ``loss_fn(model, batch)`` runs the forward pass and returns the loss; ``batches`` are
+    cycled if there are fewer than ``warmup + steps``.
+    """
+    if not isinstance(ddp, DistributedDataParallel):
+        raise TypeError(f"profile_compute needs a DistributedDataParallel model, got {type(ddp).__name__}")
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"steps={steps}, warmup={warmup}; allowed: steps >= 1, warmup >= 0")
+    batch_list = list(itertools.islice(iter(batches), warmup + steps))
+    if not batch_list:
+        raise ValueError("profile_compute got no batches")
+    feed = itertools.cycle(batch_list)
+    named = _named_trainable(ddp.module)
+    saved_model = copy.deepcopy(ddp.module.state_dict())
+    saved_optim = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
+
+    stamps: dict[str, float] = {}
+    handles = [
+        p.register_post_accumulate_grad_hook(lambda _p, _n=name: stamps.__setitem__(_n, time.perf_counter()))
+        for name, p in named
+    ]
+    fwd, bwd, opt, ready_runs = [], [], [], []
+    try:
+        for i in range(warmup + steps):
+            batch = next(feed)
+            ddp.zero_grad(set_to_none=True)
+            stamps.clear()
+            with ddp.no_sync():
+                t0 = time.perf_counter()
+                loss = loss_fn(ddp, batch)
+                t1 = time.perf_counter()
+                loss.backward()
+                t2 = time.perf_counter()
+            if optimizer is not None:
+                optimizer.step()
+            t3 = time.perf_counter()
+            if i >= warmup:
+                fwd.append(t1 - t0)
+                bwd.append(t2 - t1)
+                opt.append(t3 - t2)
+                ready_runs.append({n: stamps.get(n, t2) - t1 for n, _ in named})
+        buckets = ddp_buckets(ddp, loss_fn, batch_list[0])
+    finally:
+        for h in handles:
+            h.remove()
+        ddp.module.load_state_dict(saved_model)
+        if optimizer is not None:
+            optimizer.load_state_dict(saved_optim)
+        ddp.zero_grad(set_to_none=True)
+
+    names = [n for n, _ in named]
+    local = [statistics.median(fwd), statistics.median(bwd), statistics.median(opt)]
+    local += [statistics.median(run[n] for run in ready_runs) for n in names]
+    # layer costs per step, then medians: robust to one slow step
+    per_step_layers = [layer_costs(run, names) for run in ready_runs]
+    layers = sorted(per_step_layers[0])
+    local += [statistics.median(c.get(layer, 0.0) for c in per_step_layers) for layer in layers]
+    merged = _slowest(local, group)
+    forward_s, backward_s, optimizer_s = merged[:3]
+    ready = dict(zip(names, merged[3 : 3 + len(names)]))
+    layer_backward = dict(zip(layers, merged[3 + len(names) :]))
+    by_name = dict(named)
+    return ComputeProfile(
+        forward_s=forward_s,
+        backward_s=backward_s,
+        optimizer_s=optimizer_s,
+        steps=steps,
+        parameters=[
+            ParameterTiming(n, layer_of(n), by_name[n].numel(), list(by_name[n].shape), ready[n]) for n in names
+        ],
+        layer_backward_s=layer_backward,
+        buckets=buckets,
+        backward_s_by_rank=_gather(local[1], group),
+    )
