@@ -1,0 +1,36 @@
+"""Programs the profiler tests run on every rank (module level, so spawn can import them)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from advisor.workloads import Workload, mlp, small_cnn
+from profilers.compute import profile_compute
+from profilers.network import profile_network
+
+
+def network_only(rank: int, world_size: int):
+    return profile_network(collectives=("all_reduce",))
+
+
+def compute_of(rank: int, world_size: int, which: str):
+    workload = {"mlp": mlp, "cnn": small_cnn}[which]()
+    ddp = DDP(workload.model)
+    opt = workload.optimizer()
+    before = {k: v.clone() for k, v in workload.model.state_dict().items()}
+    before_opt = {k: {kk: vv.clone() for kk, vv in v.items()} for k, v in opt.state_dict()["state"].items()}
+    profile = profile_compute(ddp, workload.loss_fn, workload.batches, opt, steps=6, warmup=2)
+    unchanged = all(torch.equal(before[k], v) for k, v in workload.model.state_dict().items())
+    unchanged_opt = opt.state_dict()["state"] == before_opt
+    grads_cleared = all(p.grad is None for p in workload.model.parameters())
+    return {"profile": profile, "unchanged": unchanged and unchanged_opt, "grads_cleared": grads_cleared}
+
+
+def failing_factory() -> Workload:
+    """A workload whose construction fails on rank 1 (to test error reporting)."""
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError("rank 1 cannot build its model")
+    return mlp()

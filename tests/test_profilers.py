@@ -1,0 +1,112 @@
+"""Profilers on real ranks: local processes and the emulated cluster."""
+
+import subprocess
+
+import pytest
+import torch
+
+import profile_programs as pp
+from advisor.emulated import EmulatedCluster, parse_rate, unavailable_reason
+from advisor.compressors import parse
+from advisor.compressors.timing import measure
+from advisor.launch import RankFailed, launch_local
+from profilers.cluster import profile_model
+from profilers.kernels import fit_linear, square_layout
+
+pytestmark = pytest.mark.slow
+NO_TESTBED = unavailable_reason()
+needs_testbed = pytest.mark.skipif(NO_TESTBED is not None, reason=NO_TESTBED or "")
+
+
+def our_namespaces() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith("adv")]
+
+
+@needs_testbed
+@pytest.mark.parametrize("hosts", [2, 4])
+@pytest.mark.parametrize("rate", ["100mbit", "1gbit"])
+def test_fitted_all_reduce_bandwidth_is_within_15_percent_of_the_shaped_rate(hosts, rate):
+    with EmulatedCluster(hosts=hosts, rate=rate) as cluster:
+        network = cluster.run(pp.network_only, timeout=120)[0]
+    fit = network.fits["all_reduce"]
+    assert fit.bandwidth_bps == pytest.approx(parse_rate(rate), rel=0.15)
+    assert fit.r2 > 0.95
+    assert our_namespaces() == []
+
+
+@needs_testbed
+def test_namespaces_are_removed_even_when_a_rank_fails():
+    with pytest.raises(RankFailed, match="rank 1 failed"):
+        with EmulatedCluster(hosts=2, rate="1gbit") as cluster:
+            cluster.run(pp_fail, timeout=60)
+    assert our_namespaces() == []
+
+
+def pp_fail(rank, world_size):
+    import profile_programs
+
+    return profile_programs.failing_factory() and None
+
+
+@pytest.mark.parametrize("which", ["mlp", "cnn"])
+def test_layer_backward_times_add_up_to_the_measured_backward_time(which):
+    results = launch_local(pp.compute_of, 2, (which,), timeout=180)
+    for r in results:
+        profile = r["profile"]
+        total = sum(profile.layer_backward_s.values())
+        assert total == pytest.approx(profile.backward_s, rel=0.10)
+        assert r["unchanged"] and r["grads_cleared"]  # profiling leaves training state alone
+        assert len(profile.backward_s_by_rank) == 2
+        assert max(profile.backward_s_by_rank) <= profile.backward_s * 1.0001  # slowest rank sets the pace
+    profile = results[0]["profile"]
+    # every trainable parameter is in exactly one bucket
+    in_buckets = [n for b in profile.buckets for n in b.parameters]
+    assert sorted(in_buckets) == sorted(p.name for p in profile.parameters)
+
+
+@pytest.mark.parametrize("spec", ["fp16", "qsgd(bits=8)", "powersgd(rank=4)", "topk(ratio=0.01)"])
+def test_the_kernel_cost_model_predicts_a_held_out_size_within_25_percent(spec):
+    comp = parse(spec).build()
+    fitted_sizes = [1 << 16, 1 << 18, 1 << 20, 1 << 22]
+    held_out = 1 << 21
+
+    def total(numel):
+        t = measure(comp, square_layout(numel), repeats=5, warmup=1)
+        return t.total_s
+
+    measured = [total(n) for n in fitted_sizes]
+    intercept, slope = fit_linear(fitted_sizes, measured)
+    predicted = intercept + slope * held_out
+    assert predicted == pytest.approx(total(held_out), rel=0.25)
+
+
+def test_profiling_a_model_whose_rank_fails_names_the_rank():
+    with pytest.raises(RankFailed, match="rank 1 failed"):
+        profile_model("profile_programs:failing_factory", 2, network=False, kernels=False, fidelity=False,
+                      timeout=120)
+
+
+def test_a_model_factory_that_does_not_import_is_refused_before_launching():
+    with pytest.raises(ValueError, match="model factory 'no_such_pkg.mod:f' does not import"):
+        profile_model("no_such_pkg.mod:f", 2)
+
+
+@needs_testbed
+def test_a_whole_profile_at_1_gbit_fits_in_a_minute_and_round_trips(tmp_path):
+    import time
+
+    start = time.monotonic()
+    profile = profile_model("advisor.workloads:mlp", 2, rate="1gbit",
+                            configs=["fp16", "powersgd(rank=4)", "topk(ratio=0.01)"], timeout=300)
+    assert time.monotonic() - start < 90
+    assert profile.network.elapsed_s <= 30
+    assert profile.environment.world_size == 2 and "1000 Mbit/s" in profile.environment.note
+    assert {e.config for e in profile.fidelity.entries} == {"fp16", "powersgd(rank=4)", "topk(ratio=0.01)"}
+    fp16 = [e for e in profile.fidelity.entries if e.config == "fp16"]
+    assert all(e.relative_error < 1e-2 for e in fp16)
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    from profilers.profile import ClusterProfile
+
+    assert ClusterProfile.load(path) == profile

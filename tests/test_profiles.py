@@ -1,0 +1,90 @@
+"""Cluster profile types: JSON round trip and the errors of bad files."""
+
+import json
+
+import pytest
+
+from profilers.network import fit_collective
+from profilers.profile import (
+    Bucket,
+    ClusterProfile,
+    ComputeProfile,
+    Environment,
+    NetworkProfile,
+    ParameterTiming,
+)
+
+
+def sample_profile() -> ClusterProfile:
+    points = [(b, 1e-4 + b / 1.25e8) for b in (4096, 65536, 1 << 20, 1 << 24)]
+    return ClusterProfile(
+        environment=Environment(2, "gloo", "cpu", "2.13.0", "0.1.0", ["a", "b"], 1, "2026-11-29T00:00:00+00:00"),
+        compute=ComputeProfile(
+            forward_s=0.01, backward_s=0.02, optimizer_s=0.001, steps=4,
+            parameters=[ParameterTiming("fc.weight", "fc", 100, [10, 10], 0.015)],
+            layer_backward_s={"fc": 0.015},
+            buckets=[Bucket(0, ["fc.weight"], 100)],
+        ),
+        network=NetworkProfile({"all_reduce": fit_collective("all_reduce", 2, points)}, 1.0),
+    )
+
+
+def test_profile_round_trips_through_json(tmp_path):
+    profile = sample_profile()
+    path = tmp_path / "p.json"
+    profile.save(path)
+    again = ClusterProfile.load(path)
+    assert again == profile
+    assert again.network.fits["all_reduce"].predict(1 << 20) == pytest.approx(1e-4 + (1 << 20) / 1.25e8, rel=0.02)
+
+
+def test_an_older_version_says_to_profile_again(tmp_path):
+    data = sample_profile().to_dict()
+    data["version"] = 0
+    with pytest.raises(ValueError, match="version 0 is not supported .* profile the cluster again"):
+        ClusterProfile.from_dict(data)
+
+
+def test_a_bad_value_is_named_by_its_path():
+    data = sample_profile().to_dict()
+    data["compute"]["parameters"][0]["ready_s"] = "soon"
+    with pytest.raises(ValueError, match=r"compute\.parameters\[0\]\.ready_s: expected a number, got 'soon'"):
+        ClusterProfile.from_dict(data)
+
+
+def test_missing_and_unknown_fields_are_named():
+    data = sample_profile().to_dict()
+    del data["compute"]["backward_s"]
+    with pytest.raises(ValueError, match=r"compute\.backward_s: missing"):
+        ClusterProfile.from_dict(data)
+    data = sample_profile().to_dict()
+    data["compute"]["speed"] = 3
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['speed'\]"):
+        ClusterProfile.from_dict(data)
+
+
+def test_negative_times_are_refused():
+    data = sample_profile().to_dict()
+    data["compute"]["forward_s"] = -1.0
+    with pytest.raises(ValueError, match="forward_s=-1.0; allowed: a finite number >= 0"):
+        ClusterProfile.from_dict(data)
+
+
+def test_not_a_profile_and_not_json(tmp_path):
+    with pytest.raises(ValueError, match="not a cluster profile"):
+        ClusterProfile.from_dict({"kind": "compression-advisor/plan", "version": 1})
+    bad = tmp_path / "bad.json"
+    bad.write_text("{nope")
+    with pytest.raises(ValueError, match="bad.json: cluster profile is not valid JSON"):
+        ClusterProfile.load(bad)
+    with pytest.raises(ValueError, match="does not exist"):
+        ClusterProfile.load(tmp_path / "missing.json")
+
+
+def test_the_network_fit_recovers_latency_and_bandwidth_of_a_known_line():
+    latency, rate = 2e-4, 1e9  # 1 Gbit/s links, 2 ranks: ring factor 1
+    points = [(b, latency + b * 8 / rate) for b in (4096 * 2**k for k in range(12))]
+    points[3] = (points[3][0], points[3][1] * 3)  # one outlier: the robust fit ignores it
+    fit = fit_collective("all_reduce", 2, points)
+    assert fit.bandwidth_bps == pytest.approx(rate, rel=0.02)
+    assert fit.latency_s == pytest.approx(latency, rel=0.1)
