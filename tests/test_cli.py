@@ -1,0 +1,73 @@
+"""The advisor command line, through click's CliRunner."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from advisor.cli import main, split_configs
+
+
+@pytest.fixture
+def runner():
+    return CliRunner()
+
+
+def test_compressors_lists_the_registry_as_json(runner):
+    result = runner.invoke(main, ["compressors", "--json"])
+    assert result.exit_code == 0
+    data = json.loads(result.output)
+    assert data["powersgd"] == {"rank": "an integer >= 1"}
+
+
+def test_compressors_prints_a_table(runner):
+    result = runner.invoke(main, ["compressors"])
+    assert result.exit_code == 0 and "intquant" in result.output
+
+
+def test_config_lists_keep_commas_inside_parentheses():
+    assert split_configs("fp16, intquant(bits=8, packed=0),topk:0.01") == ["fp16", "intquant(bits=8, packed=0)", "topk:0.01"]
+
+
+@pytest.mark.parametrize(
+    "args,reason",
+    [
+        (["--model", "no_such_pkg:f"], "model factory 'no_such_pkg:f' does not import"),
+        (["--model", "advisor.workloads"], "write it as 'package.module:function'"),
+        (["--model", "advisor.workloads:nothing"], "has no callable 'nothing'"),
+        (["--model", "advisor.workloads:mlp", "--configs", "zip"], "unknown compressor 'zip'"),
+        (["--model", "advisor.workloads:mlp", "--rate", "fast"], "cannot read rate 'fast'"),
+        (["--model", "advisor.workloads:mlp", "--nproc", "0"], "--nproc=0"),
+    ],
+)
+def test_profile_refuses_bad_input_with_exit_code_2_and_one_line(runner, args, reason):
+    result = runner.invoke(main, ["profile", *args])
+    assert result.exit_code == 2
+    assert reason in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_profile_writes_a_profile_and_prints_json(runner, tmp_path):
+    out = tmp_path / "p.json"
+    result = runner.invoke(
+        main,
+        ["profile", "--model", "advisor.workloads:small_cnn", "--nproc", "2", "--no-network", "--no-kernels",
+         "--configs", "fp16,qsgd(bits=8)", "--out", str(out), "--json"],
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["kind"] == "compression-advisor/cluster-profile"
+    assert {e["config"] for e in data["fidelity"]["entries"]} == {"fp16", "qsgd(bits=8)"}
+    assert out.exists()
+
+
+@pytest.mark.slow
+def test_demo_measures_plans_side_by_side(runner):
+    result = runner.invoke(main, ["demo", "--steps", "3", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)
+    labels = [r["label"] for r in rows]
+    assert labels[:2] == ["compute only (no communication)", "DDP, no hook"]
+    assert "powersgd(rank=4)" in labels
+    assert all(r["ms_per_step"] > 0 for r in rows)
