@@ -22,7 +22,7 @@ from advisor.compressors import SegmentLayout
 
 from .compute import LossFn, profile_compute
 from .fidelity import bucket_layout, profile_fidelity
-from .kernels import DEFAULT_CONFIGS, fit_linear, profile_kernels
+from .kernels import DEFAULT_CONFIGS, fit_loglog, profile_kernels
 from .network import profile_network
 from .profile import ClusterProfile, Environment, KernelCost, KernelProfile
 
@@ -56,8 +56,8 @@ def _slowest_kernels(local: KernelProfile, group) -> KernelProfile:
         costs[label] = KernelCost(
             config=label,
             points=rows,
-            encode_coef=fit_linear(numels, [r[1] for r in rows]),
-            decode_coef=fit_linear(numels, [r[2] for r in rows]),
+            encode_knots=fit_loglog(numels, [r[1] for r in rows]),
+            decode_knots=fit_loglog(numels, [r[2] for r in rows]),
             world_size=cost.world_size,
         )
     return KernelProfile(device=local.device, costs=costs)

@@ -2,8 +2,9 @@
 
 Measured on the model's own bucket layouts (real parameter shapes) and on a ladder of
 synthetic square-ish layouts spanning the sizes in between, then fitted per config with
-scikit-learn (``time = a + b·numel``, Huber loss so one noisy point does not bend it), so
-the performance model can cost a bucket size nobody measured.
+scikit-learn (monotone, piecewise linear in log-log space: the cost per element changes where a
+bucket stops fitting in cache), so the performance model can cost a bucket size nobody
+measured.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from sklearn.linear_model import HuberRegressor
+from sklearn.isotonic import IsotonicRegression
 
 from advisor.compressors import SegmentLayout, parse
 from advisor.compressors.timing import measure
@@ -34,17 +35,19 @@ def square_layout(numel: int, name: str = "synthetic") -> SegmentLayout:
     return SegmentLayout((name,), ((rows, cols),))
 
 
-def fit_linear(numels: Sequence[float], seconds: Sequence[float]) -> list[float]:
-    """[intercept, slope] of seconds against numel (robust, relative weights)."""
-    x = np.asarray(numels, dtype=np.float64).reshape(-1, 1)
-    y = np.asarray(seconds, dtype=np.float64)
-    if len(set(x[:, 0])) < 2:
-        return [0.0, float(y.mean() / max(1.0, x[0, 0]))]
-    scale = x.max()
-    weights = 1.0 / np.maximum(y, 1e-7)
-    model = HuberRegressor(epsilon=1.5, alpha=0.0, max_iter=1000)
-    model.fit(x / scale, y, sample_weight=weights / weights.mean())
-    return [float(model.intercept_), float(model.coef_[0] / scale)]
+def fit_loglog(numels: Sequence[float], seconds: Sequence[float]) -> list[list[float]]:
+    """Knots ``[[log n, log t], ...]`` of a monotone fit of time against size.
+
+    scikit-learn's IsotonicRegression in log-log space: time never decreases with size,
+    repeated and noisy sizes are pooled, and the result interpolates piecewise linearly
+    (see :func:`profilers.profile.predict_loglog`).
+    """
+    x = np.log(np.maximum(np.asarray(numels, dtype=np.float64), 1.0))
+    y = np.log(np.maximum(np.asarray(seconds, dtype=np.float64), 1e-9))
+    model = IsotonicRegression(increasing=True, out_of_bounds="clip")
+    model.fit(x, y)
+    knots = sorted({(float(a), float(b)) for a, b in zip(model.X_thresholds_, model.y_thresholds_)})
+    return [[a, b] for a, b in knots]
 
 
 def profile_kernels(
@@ -53,7 +56,7 @@ def profile_kernels(
     world_size: int = 2,
     device: str | torch.device = "cpu",
     ladder: Sequence[int] = (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22),
-    repeats: int = 3,
+    repeats: int = 5,
 ) -> KernelProfile:
     """Measure every config on ``layouts`` and on the ``ladder`` sizes; fit a size model."""
     samples = list(layouts) + [square_layout(n) for n in ladder]
@@ -68,8 +71,8 @@ def profile_kernels(
         costs[config.label] = KernelCost(
             config=config.label,
             points=points,
-            encode_coef=fit_linear(numels, [p[1] for p in points]),
-            decode_coef=fit_linear(numels, [p[2] for p in points]),
+            encode_knots=fit_loglog(numels, [p[1] for p in points]),
+            decode_knots=fit_loglog(numels, [p[2] for p in points]),
             world_size=world_size,
         )
     return KernelProfile(device=str(torch.device(device)), costs=costs)

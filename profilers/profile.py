@@ -96,23 +96,47 @@ class NetworkProfile:
     elapsed_s: float
 
 
+def predict_loglog(knots: list[list[float]], numel):
+    """Seconds at ``numel`` (scalar or array) from ``[[log n, log t], ...]`` knots.
+
+    Piecewise linear in log-log space between knots, and beyond them along the end
+    segments' slopes: cost per element changes where buckets stop fitting in cache, which
+    one straight line through all sizes cannot follow.
+    """
+    import numpy as np
+
+    k = np.asarray(knots, dtype=np.float64)
+    x = np.log(np.maximum(np.asarray(numel, dtype=np.float64), 1.0))
+    if len(k) == 1:
+        return np.exp(k[0, 1] + (x - k[0, 0]))  # one knot: proportional to size
+    y = np.interp(x, k[:, 0], k[:, 1])
+    lo_slope = (k[1, 1] - k[0, 1]) / max(k[1, 0] - k[0, 0], 1e-12)
+    hi_slope = (k[-1, 1] - k[-2, 1]) / max(k[-1, 0] - k[-2, 0], 1e-12)
+    y = np.where(x < k[0, 0], k[0, 1] + (x - k[0, 0]) * max(lo_slope, 0.0), y)
+    y = np.where(x > k[-1, 0], k[-1, 1] + (x - k[-1, 0]) * max(hi_slope, 0.0), y)
+    return np.exp(y)
+
+
 @dataclass
 class KernelCost:
     """Encode/decode time of one compressor config on this device, by bucket size.
 
-    ``points`` are measured ``[numel, encode_s, decode_s]``; the fitted model predicts
-    ``encode_s = encode_coef[0] + encode_coef[1]·numel`` (and likewise decode).
+    ``points`` are measured ``[numel, encode_s, decode_s]``; ``encode_knots`` and
+    ``decode_knots`` are the fitted model (see :func:`predict_loglog`).
     """
 
     config: str
     points: list[list[float]]
-    encode_coef: list[float]
-    decode_coef: list[float]
+    encode_knots: list[list[float]]
+    decode_knots: list[list[float]]
     world_size: int
 
-    def predict(self, numel: float) -> tuple[float, float]:
-        enc = max(0.0, self.encode_coef[0] + self.encode_coef[1] * numel)
-        dec = max(0.0, self.decode_coef[0] + self.decode_coef[1] * numel)
+    def predict(self, numel):
+        """(encode_s, decode_s) at ``numel``; arrays in, arrays out."""
+        enc = predict_loglog(self.encode_knots, numel)
+        dec = predict_loglog(self.decode_knots, numel)
+        if enc.ndim == 0:
+            return float(enc), float(dec)
         return enc, dec
 
 

@@ -11,7 +11,8 @@ from advisor.compressors import parse
 from advisor.compressors.timing import measure
 from advisor.launch import RankFailed, launch_local
 from profilers.cluster import profile_model
-from profilers.kernels import fit_linear, square_layout
+from profilers.kernels import fit_loglog, square_layout
+from profilers.profile import predict_loglog
 
 pytestmark = pytest.mark.slow
 NO_TESTBED = unavailable_reason()
@@ -72,12 +73,11 @@ def test_the_kernel_cost_model_predicts_a_held_out_size_within_25_percent(spec):
     held_out = 1 << 21
 
     def total(numel):
-        t = measure(comp, square_layout(numel), repeats=5, warmup=1)
+        t = measure(comp, square_layout(numel), repeats=11, warmup=2)
         return t.total_s
 
     measured = [total(n) for n in fitted_sizes]
-    intercept, slope = fit_linear(fitted_sizes, measured)
-    predicted = intercept + slope * held_out
+    predicted = float(predict_loglog(fit_loglog(fitted_sizes, measured), held_out))
     assert predicted == pytest.approx(total(held_out), rel=0.25)
 
 

@@ -88,3 +88,18 @@ def test_the_network_fit_recovers_latency_and_bandwidth_of_a_known_line():
     fit = fit_collective("all_reduce", 2, points)
     assert fit.bandwidth_bps == pytest.approx(rate, rel=0.02)
     assert fit.latency_s == pytest.approx(latency, rel=0.1)
+
+
+def test_the_kernel_model_interpolates_and_extrapolates_a_power_law():
+    from profilers.kernels import fit_loglog
+    from profilers.profile import predict_loglog
+
+    sizes = [2**k for k in range(12, 24, 2)]
+    times = [1e-9 * n**1.1 for n in sizes]
+    knots = fit_loglog(sizes, times)
+    for n in (3000, 2**17 + 5, 2**25):  # below, between and above the measured sizes
+        assert float(predict_loglog(knots, n)) == pytest.approx(1e-9 * n**1.1, rel=0.02)
+    # noise that would make time shrink with size is pooled away: never decreasing
+    noisy = fit_loglog([1, 2, 4, 8], [1.0, 0.5, 2.0, 4.0])
+    values = predict_loglog(noisy, [1, 2, 4, 8])
+    assert all(a <= b for a, b in zip(values, values[1:]))
