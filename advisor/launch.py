@@ -143,6 +143,26 @@ def launch_local(
     in rank order.  ``netns`` places rank i in network namespace ``netns[i]`` (the
     emulated cluster); ``addr`` is then rank 0's address there.
     """
+    for attempt in range(3):
+        try:
+            return _launch_once(fn, world_size, args, timeout, threads, addr, env, netns)
+        except RankFailed as exc:
+            # The free port was taken between asking for it and binding it: pick another.
+            if "Address already in use" not in str(exc) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _launch_once(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any],
+    timeout: float,
+    threads: int,
+    addr: str,
+    env: Mapping[str, str] | None = None,
+    netns: Sequence[str] | None = None,
+) -> list[Any]:
     if world_size < 1:
         raise ValueError(f"world_size={world_size}; allowed: an integer >= 1")
     if netns is not None and len(netns) != world_size:
