@@ -62,11 +62,14 @@ def _profile_here(spec: str, kwargs: dict):
 
     from .workloads import build_workload
 
+    from .launch import leave_together
+
     dist.init_process_group("gloo")
     try:
         workload = build_workload(spec)
         ddp = DistributedDataParallel(workload.model)
         profile = profile_cluster(ddp, workload.loss_fn, workload.batches, workload.optimizer(), **kwargs)
+        leave_together()
         return profile if dist.get_rank() == 0 else None
     finally:
         dist.destroy_process_group()

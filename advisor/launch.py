@@ -81,7 +81,7 @@ def _rank_entry(
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         try:
             result = fn(rank, world_size, *args)
-            _leave_together(store, rank, world_size)
+            leave_together(store)
         except BaseException:
             # written before the group closes, so the root cause is dated before the
             # "connection reset" its peers will report next
@@ -96,14 +96,22 @@ def _rank_entry(
         raise
 
 
-def _leave_together(store: dist.Store, rank: int, world_size: int) -> None:
-    """Close gloo only once every rank is done with it.
+def leave_together(store: dist.Store | None = None) -> None:
+    """Close gloo only once every rank is done with it; call before destroy_process_group.
 
     A rank that tears down its gloo pairs while a peer still reads the tail of the last
     collective can abort that peer ("terminate called without an active exception").  The
     store is a separate connection: every rank checks in, and the store's host (rank 0)
-    leaves last.
+    leaves last.  Without a store at hand it uses the process group's own (private API,
+    so a barrier stands in where that is missing).
     """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if store is None:
+        getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+        if getter is None:
+            dist.barrier()
+            return
+        store = getter()
     store.set(f"advisor/done/{rank}", "1")
     store.wait([f"advisor/done/{r}" for r in range(world_size)])
     if rank != 0:
