@@ -85,3 +85,28 @@ def small_cnn() -> Workload:
         nn.Flatten(), nn.Linear(64 * 8 * 8, 256), nn.ReLU(), nn.Linear(256, 10),
     )
     return Workload(model, _cross_entropy, synthetic_batches((32, 3, 32, 32), 10), name="cnn")
+
+
+class _TinyLM(nn.Module):
+    def __init__(self, vocab: int = 2000, dim: int = 128, layers: int = 2, heads: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        block = nn.TransformerEncoderLayer(dim, heads, dim_feedforward=4 * dim, batch_first=True, dropout=0.0)
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(tokens)))
+
+
+def _next_token_loss(model: nn.Module, batch) -> torch.Tensor:
+    tokens = batch
+    logits = model(tokens[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def tiny_lm() -> Workload:
+    """A small transformer language model (embedding-heavy: 0.5M of 1.2M parameters)."""
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 2000, (16, 65), generator=g) for _ in range(8)]
+    return Workload(_TinyLM(), _next_token_loss, batches, name="tiny-lm")

@@ -69,20 +69,14 @@ class CompressionHook:
         cached = self._layouts.get(key)
         if cached is not None:
             return cached
-        runs: list[tuple[list[str], list[tuple[int, ...]], CompressorConfig, int]] = []
-        offset = 0
-        for p in params:
-            name = self._names.get(id(p))
-            if name is None:
-                raise RuntimeError("a DDP bucket holds a parameter the hook was not installed with")
-            config = self.plan.config_for(name)
-            if runs and runs[-1][2] == config:
-                runs[-1][0].append(name)
-                runs[-1][1].append(tuple(p.shape))
-            else:
-                runs.append(([name], [tuple(p.shape)], config, offset))
-            offset += p.numel()
-        result = [(SegmentLayout(tuple(n), tuple(s)), c, o) for n, s, c, o in runs]
+        names = [self._names.get(id(p)) for p in params]
+        if None in names:
+            raise RuntimeError("a DDP bucket holds a parameter the hook was not installed with")
+        result, offset = [], 0
+        for run_names, run_shapes, config in self.plan.runs(names, [tuple(p.shape) for p in params]):
+            layout = SegmentLayout(tuple(run_names), tuple(run_shapes))
+            result.append((layout, config, offset))
+            offset += layout.numel
         self._layouts[key] = result
         return result
 

@@ -82,6 +82,22 @@ class Plan:
     def config_for(self, parameter: str) -> CompressorConfig:
         return self._by_name.get(parameter, self.default)
 
+    def runs(self, names: Sequence[str], shapes: Sequence[tuple[int, ...]]):
+        """Split parameters laid out back to back into runs sharing a compressor.
+
+        Returns ``[(names, shapes, config), ...]``: how the runtime splits a DDP bucket
+        into segments, and how the performance model costs one.
+        """
+        runs: list[tuple[list[str], list[tuple[int, ...]], CompressorConfig]] = []
+        for name, shape in zip(names, shapes):
+            config = self.config_for(name)
+            if runs and runs[-1][2] == config:
+                runs[-1][0].append(name)
+                runs[-1][1].append(tuple(shape))
+            else:
+                runs.append(([name], [tuple(shape)], config))
+        return runs
+
     def named_parameters(self) -> set[str]:
         return set(self._by_name)
 

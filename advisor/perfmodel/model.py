@@ -1,0 +1,256 @@
+"""Replay a DDP iteration for any plan from a ClusterProfile, and ask what-if questions.
+
+The iteration, as the runtime executes it (and as the seed paper models it, plus encode
+and decode):
+
+* forward, then backward; each bucket becomes ready when its last gradient is ready
+  (measured);
+* the bucket is encoded on the thread that runs backward (the runtime encodes in the hook),
+  so every encode delays the rest of backward: compressors compete with backward;
+* collectives go through one channel in bucket order; a bucket's messages cost what the
+  fitted collective model says for their bytes and type (ring all-reduce: the bandwidth
+  term hardly grows with the number of workers; all-gather: it grows linearly);
+* decode follows the collective on the communication side, in bucket order;
+* the optimizer runs when backward and every decode are done.
+
+One calibration factor, ``overlap``, stretches the backward-and-communication part to
+match measurements (imperfect overlap); :meth:`PerformanceModel.calibrate` learns it
+from measured step times, it is not guessed (1.0 until then).
+
+Everything is vectorised over plans: ``predict_many`` takes a (plans x buckets) matrix of
+config indices and loops over buckets only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..compressors import Collective, SegmentLayout, parse
+from ..compressors.registry import CompressorConfig
+from ..runtime.plan import Plan
+from .timeline import BucketSpan, Timeline
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A what-if: the same profile on another cluster.
+
+    ``world_size``: workers (1 to 1024); ``bandwidth_bps`` / ``latency_s``: per-link rate
+    and per-hop latency; ``compute_speedup``: a device that many times faster (compute and
+    compressor kernels scale, the network does not).
+    """
+
+    world_size: int | None = None
+    bandwidth_bps: float | None = None
+    latency_s: float | None = None
+    compute_speedup: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.world_size is not None and not (isinstance(self.world_size, int) and 1 <= self.world_size <= 1024):
+            raise ValueError(f"world_size={self.world_size!r}; allowed: an integer in 1..1024")
+        if self.bandwidth_bps is not None and not self.bandwidth_bps > 0:
+            raise ValueError(f"bandwidth_bps={self.bandwidth_bps!r}; allowed: > 0")
+        if self.latency_s is not None and not self.latency_s >= 0:
+            raise ValueError(f"latency_s={self.latency_s!r}; allowed: >= 0")
+        if not self.compute_speedup > 0:
+            raise ValueError(f"compute_speedup={self.compute_speedup!r}; allowed: > 0")
+
+
+class NetworkModel:
+    """Per-link latency and bandwidth behind each collective, at any world size.
+
+    From a fit at ``p0`` workers: ring all-reduce ``t = 2(p-1)·α + 2(p-1)/p·8b/BW``,
+    all-gather ``t = (p-1)·α + (p-1)·8b/BW`` (b = one rank's bytes), so α and BW are the
+    fit's latency and bandwidth with the algorithm's factors taken out.
+    """
+
+    def __init__(self, fits: Mapping, profiled_world: int, scenario: Scenario) -> None:
+        self.world = scenario.world_size or profiled_world
+        self.links: dict[str, tuple[float, float]] = {}
+        for name, hops in (("all_reduce", lambda p: 2 * (p - 1)), ("all_gather", lambda p: p - 1)):
+            fit = fits.get(name)
+            if fit is None:
+                continue
+            alpha = fit.latency_s / max(1, hops(profiled_world))
+            bandwidth = fit.bandwidth_bps if fit.bandwidth_bps > 0 else 1e12
+            if scenario.latency_s is not None:
+                alpha = scenario.latency_s
+            if scenario.bandwidth_bps is not None:
+                bandwidth = scenario.bandwidth_bps
+            self.links[name] = (alpha, bandwidth)
+        if "all_reduce" not in self.links:
+            raise ValueError("the profile has no all-reduce fit; profile the network (advisor profile --network)")
+        self.links.setdefault("all_gather", self.links["all_reduce"])
+
+    def seconds(self, collective: Collective, nbytes) -> np.ndarray:
+        p = self.world
+        nbytes = np.asarray(nbytes, dtype=np.float64)
+        if p <= 1:
+            return np.zeros_like(nbytes)
+        if collective is Collective.ALL_GATHER:
+            alpha, bw = self.links["all_gather"]
+            return (p - 1) * alpha + (p - 1) * 8.0 * nbytes / bw
+        alpha, bw = self.links["all_reduce"]
+        return 2 * (p - 1) * alpha + 2.0 * (p - 1) / p * 8.0 * nbytes / bw
+
+
+@dataclass
+class CandidateCosts:
+    """Per bucket (rows) and config (columns): encode, comm, decode seconds, wire bytes."""
+
+    configs: list[str]
+    encode_s: np.ndarray
+    comm_s: np.ndarray
+    decode_s: np.ndarray
+    wire_bytes: np.ndarray
+
+
+class PerformanceModel:
+    """Predict iteration timelines from a :class:`profilers.profile.ClusterProfile`."""
+
+    def __init__(self, profile, scenario: Scenario | None = None, overlap: float = 1.0) -> None:
+        self.profile = profile
+        self.scenario = scenario or Scenario()
+        if not overlap > 0:
+            raise ValueError(f"overlap={overlap!r}; allowed: > 0")
+        self.overlap = overlap
+        compute = profile.compute
+        self.world = self.scenario.world_size or profile.environment.world_size
+        speed = self.scenario.compute_speedup
+        if profile.network is None:
+            raise ValueError("the profile has no network measurements; profile again with the network profiler on")
+        self.network = NetworkModel(profile.network.fits, profile.environment.world_size, self.scenario)
+        ready = {p.name: p.ready_s / speed for p in compute.parameters}
+        shapes = {p.name: tuple(p.shape) for p in compute.parameters}
+        self.buckets = sorted(compute.buckets, key=lambda b: max(ready[n] for n in b.parameters))
+        self.layouts = [SegmentLayout(tuple(b.parameters), tuple(shapes[n] for n in b.parameters)) for b in self.buckets]
+        self.ready_s = np.array([max(ready[n] for n in b.parameters) for b in self.buckets])
+        self.forward_s = compute.forward_s / speed
+        self.backward_s = compute.backward_s / speed
+        self.optimizer_s = compute.optimizer_s / speed
+
+    # --- costs ----------------------------------------------------------------------
+    def _kernel_seconds(self, config: CompressorConfig, numel: int) -> tuple[float, float]:
+        if config.name == "none" and config.error_feedback is not True:
+            cost = self.profile.kernels.costs.get("none") if self.profile.kernels else None
+            if cost is None:
+                return 0.0, 0.0  # a division pass: negligible next to the all-reduce
+        kernels = self.profile.kernels
+        cost = kernels.costs.get(config.label) if kernels is not None else None
+        if cost is None:
+            raise ValueError(
+                f"the profile has no kernel cost for {config.label!r}; profile with it among the candidate "
+                f"configs (advisor profile --configs ...). It has: {sorted(kernels.costs) if kernels else []}"
+            )
+        enc, dec = cost.predict(numel)
+        comp = config.build()
+        if comp.uses_all_gather and cost.world_size > 0:
+            dec *= self.world / cost.world_size  # decode handles one payload per rank
+        speed = self.scenario.compute_speedup
+        return enc / speed, dec / speed
+
+    def segment_cost(self, config: CompressorConfig, layout: SegmentLayout) -> tuple[float, float, float, int]:
+        comp = config.build()
+        wires = comp.wire(layout, self.world)
+        comm = float(sum(self.network.seconds(w.collective, w.nbytes) for w in wires))
+        enc, dec = self._kernel_seconds(config, layout.numel)
+        return enc, comm, dec, sum(w.nbytes for w in wires)
+
+    def candidate_costs(self, configs: Sequence[str | CompressorConfig]) -> CandidateCosts:
+        parsed = [parse(c) for c in configs]
+        shape = (len(self.layouts), len(parsed))
+        enc, comm, dec, wire = (np.zeros(shape) for _ in range(4))
+        for i, layout in enumerate(self.layouts):
+            for j, config in enumerate(parsed):
+                enc[i, j], comm[i, j], dec[i, j], wire[i, j] = self.segment_cost(config, layout)
+        return CandidateCosts([c.label for c in parsed], enc, comm, dec, wire)
+
+    # --- prediction -----------------------------------------------------------------
+    def _replay(self, enc: np.ndarray, comm: np.ndarray, dec: np.ndarray):
+        """The recurrence over buckets; arrays are (plans, buckets)."""
+        plans = enc.shape[0]
+        shift = np.zeros(plans)
+        comm_free = np.zeros(plans)
+        decode_free = np.zeros(plans)
+        spans = []
+        for b in range(enc.shape[1]):
+            enc_start = self.ready_s[b] + shift
+            enc_end = enc_start + enc[:, b]
+            shift = shift + enc[:, b]
+            comm_start = np.maximum(enc_end, comm_free)
+            comm_end = comm_start + comm[:, b]
+            comm_free = comm_end
+            decode_end = np.maximum(comm_end, decode_free) + dec[:, b]
+            decode_free = decode_end
+            spans.append((enc_start, enc_end, comm_start, comm_end, decode_end))
+        backward_end = self.backward_s + shift
+        end = np.maximum(backward_end, decode_free)
+        iteration = self.forward_s + self.overlap * end + self.optimizer_s
+        return iteration, backward_end, spans
+
+    def predict_many(self, choices: np.ndarray, costs: CandidateCosts) -> np.ndarray:
+        """Iteration seconds for each plan; ``choices[p, b]`` indexes ``costs.configs``."""
+        choices = np.asarray(choices)
+        if choices.ndim != 2 or choices.shape[1] != len(self.layouts):
+            raise ValueError(f"choices must be (plans, {len(self.layouts)} buckets), got {choices.shape}")
+        rows = np.arange(len(self.layouts))[None, :]
+        iteration, _, _ = self._replay(costs.encode_s[rows, choices], costs.comm_s[rows, choices],
+                                       costs.decode_s[rows, choices])
+        return iteration
+
+    @property
+    def compute_only_s(self) -> float:
+        return self.forward_s + self.backward_s + self.optimizer_s
+
+    def predict(self, plan: Plan) -> Timeline:
+        """The timeline of one plan (parameters of one bucket may use different configs)."""
+        enc = np.zeros((1, len(self.layouts)))
+        comm, dec = np.zeros_like(enc), np.zeros_like(enc)
+        labels, wires = [], []
+        for b, layout in enumerate(self.layouts):
+            segments = _segments(layout, plan)
+            total = np.zeros(4)
+            for seg_layout, config in segments:
+                total += np.array(self.segment_cost(config, seg_layout))
+            enc[0, b], comm[0, b], dec[0, b] = total[:3]
+            wires.append(int(total[3]))
+            labels.append("+".join(dict.fromkeys(c.label for _, c in segments)))
+        iteration, backward_end, spans = self._replay(enc, comm, dec)
+        return Timeline(
+            iteration_s=float(iteration[0]),
+            forward_s=self.forward_s,
+            backward_end_s=float(backward_end[0]),
+            optimizer_s=self.optimizer_s,
+            compute_only_s=self.compute_only_s,
+            buckets=[
+                BucketSpan(self.buckets[b].index, labels[b], float(self.ready_s[b]),
+                           *(float(x[0]) for x in spans[b]), wires[b])
+                for b in range(len(self.layouts))
+            ],
+        )
+
+    # --- calibration ----------------------------------------------------------------
+    def calibrate(self, plans: Sequence[Plan], measured_s: Sequence[float]) -> float:
+        """Learn ``overlap`` from measured step times (least squares, closed form)."""
+        if len(plans) != len(measured_s) or not plans:
+            raise ValueError("calibrate needs one measured step time per plan, and at least one plan")
+        saved, self.overlap = self.overlap, 1.0
+        try:
+            ends = np.array([self.predict(p).iteration_s - self.forward_s - self.optimizer_s for p in plans])
+        finally:
+            self.overlap = saved
+        target = np.asarray(measured_s, dtype=np.float64) - self.forward_s - self.optimizer_s
+        overlap = float(np.dot(ends, target) / max(np.dot(ends, ends), 1e-18))
+        if not math.isfinite(overlap) or overlap <= 0:
+            raise ValueError(f"calibration gave overlap={overlap}; the measurements do not fit this profile")
+        self.overlap = overlap
+        return overlap
+
+
+def _segments(layout: SegmentLayout, plan: Plan) -> list[tuple[SegmentLayout, CompressorConfig]]:
+    """The bucket's segments, split as the runtime splits them."""
+    return [(SegmentLayout(tuple(n), tuple(s)), c) for n, s, c in plan.runs(layout.names, layout.shapes)]
