@@ -6,7 +6,6 @@ import math
 import numpy as np
 import pytest
 
-from advisor.compressors import SegmentLayout, parse
 from advisor.perfmodel import PerformanceModel, Scenario, Timeline
 from advisor.runtime import Plan
 from profilers.network import fit_collective

@@ -3,7 +3,6 @@
 import subprocess
 
 import pytest
-import torch
 
 import profile_programs as pp
 from advisor.emulated import EmulatedCluster, parse_rate, unavailable_reason

@@ -1,6 +1,5 @@
 """Cluster profile types: JSON round trip and the errors of bad files."""
 
-import json
 
 import pytest
 

@@ -79,6 +79,18 @@ def quantize_rows(rows: torch.Tensor, scale: torch.Tensor, bits: int, out: torch
     return out.add_(noise).floor_().clamp_(-s, s)
 
 
+def quantize_block(
+    rows: torch.Tensor, scale: torch.Tensor, bits: int, work: torch.Tensor, generator, keep_residual: bool
+) -> torch.Tensor:
+    """Codes of one block of rows (see :func:`quantize_rows`); under error feedback the
+    rows are left holding their residual, ``rows - codes·scale/levels``."""
+    codes = work[: rows.numel()].view(rows.shape)
+    quantize_rows(rows, scale, bits, codes, generator)
+    if keep_residual:
+        rows.addcmul_(codes, (scale / levels(bits)).unsqueeze(1), value=-1.0)
+    return codes
+
+
 def rounding_generator(ctx: ExchangeContext, layout: SegmentLayout, device) -> torch.Generator | None:
     """Stochastic rounding only without error feedback (see :func:`quantize_rows`)."""
     if ctx.keep_residual:
@@ -184,10 +196,7 @@ class QSGD(Compressor):
             add_pending(rows, a, b, ctx)
             r = rows[a:b]
             sc = chunk_absmax(r, out=scale[a:b])
-            codes = work[: r.numel()].view(r.shape)
-            quantize_rows(r, sc, self.bits, codes, generator)
-            if ctx.keep_residual:
-                r.addcmul_(codes, (sc / s).unsqueeze(1), value=-1.0)
+            codes = quantize_block(r, sc, self.bits, work, generator, ctx.keep_residual)
             first, end = a * CHUNK, min(numel, b * CHUNK)
             dest = codes_area[packed_nbytes(first, self.bits) : packed_nbytes(end, self.bits)]
             self._store_codes(codes, end - first, dest, ctx)
@@ -268,11 +277,7 @@ class IntQuant(Compressor):
         work = ctx.buffer("block", BLOCK_ROWS * CHUNK, torch.float32, inp.device)
         generator = rounding_generator(ctx, layout, inp.device)
         for a, b in blocks(rows.shape[0]):
-            r = rows[a:b]
-            codes = work[: r.numel()].view(r.shape)
-            quantize_rows(r, shared[a:b], self.bits, codes, generator)
-            if ctx.keep_residual:
-                r.addcmul_(codes, (shared[a:b] / s).unsqueeze(1), value=-1.0)
+            codes = quantize_block(rows[a:b], shared[a:b], self.bits, work, generator, ctx.keep_residual)
             first, end = a * CHUNK, min(numel, b * CHUNK)
             wire[first:end].copy_(codes.view(-1)[: end - first])
         if ctx.keep_residual:
@@ -311,11 +316,7 @@ class IntQuant(Compressor):
         unsigned = ctx.buffer("lanes", block_rows * CHUNK, torch.int64, inp.device)
         generator = rounding_generator(ctx, layout, inp.device)
         for a, b in blocks(rows.shape[0], block_rows):
-            r = rows[a:b]
-            codes = work[: r.numel()].view(r.shape)
-            quantize_rows(r, shared[a:b], self.bits, codes, generator)
-            if ctx.keep_residual:
-                r.addcmul_(codes, (shared[a:b] / s).unsqueeze(1), value=-1.0)
+            codes = quantize_block(rows[a:b], shared[a:b], self.bits, work, generator, ctx.keep_residual)
             first, end = a * CHUNK, min(numel, b * CHUNK)
             n_words = lane_words(end - first, lane)
             block_lanes = unsigned[: n_words * lanes]

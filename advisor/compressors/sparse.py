@@ -46,15 +46,8 @@ def topk_abs_indices(x: torch.Tensor, k: int, magnitudes: torch.Tensor | None = 
     return candidates[chosen]
 
 
-class TopK(Compressor):
-    """Keep the k = ratio·n largest magnitudes; send (value, index) pairs by all-gather.
-
-    Index sets differ between ranks, so the payload cannot be summed in flight: its cost
-    grows with the number of workers (the seed paper's main finding against top-k).
-    """
-
-    name = "topk"
-    uses_all_gather = True
+class _Sparsifier(Compressor):
+    """Keeps ``k = ratio·n`` coordinates of a segment."""
 
     def __init__(self, ratio: float = 0.01, error_feedback: bool | None = None):
         super().__init__(error_feedback)
@@ -63,6 +56,17 @@ class TopK(Compressor):
     @property
     def params(self):
         return {"ratio": self.ratio}
+
+
+class TopK(_Sparsifier):
+    """Keep the k = ratio·n largest magnitudes; send (value, index) pairs by all-gather.
+
+    Index sets differ between ranks, so the payload cannot be summed in flight: its cost
+    grows with the number of workers (the seed paper's main finding against top-k).
+    """
+
+    name = "topk"
+    uses_all_gather = True
 
     def wire(self, layout: SegmentLayout, world_size: int) -> list[WireSpec]:
         k = kept_count(layout.numel, self.ratio)
@@ -101,7 +105,7 @@ def stratified_indices(numel: int, k: int, generator: torch.Generator, device) -
     return bounds[:-1] + (u * sizes).to(torch.int64).clamp_max_(sizes - 1)
 
 
-class RandomK(Compressor):
+class RandomK(_Sparsifier):
     """Keep k = ratio·n coordinates chosen by a generator seeded identically on all ranks.
 
     Every rank picks the same indices, so only values go on the wire and they are summed
@@ -109,14 +113,6 @@ class RandomK(Compressor):
     """
 
     name = "randomk"
-
-    def __init__(self, ratio: float = 0.01, error_feedback: bool | None = None):
-        super().__init__(error_feedback)
-        self.ratio = float(ratio)
-
-    @property
-    def params(self):
-        return {"ratio": self.ratio}
 
     def wire(self, layout: SegmentLayout, world_size: int) -> list[WireSpec]:
         k = kept_count(layout.numel, self.ratio)
