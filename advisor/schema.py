@@ -9,8 +9,10 @@ here because the standard library has no validating reader and the data is small
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
+from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 
@@ -106,3 +108,44 @@ def from_jsonable(cls: Any, data: Any, path: str = "") -> Any:
             raise SchemaError(f"{where}: expected a string, got {_describe(data)}")
         return data
     raise SchemaError(f"{where}: cannot read type {cls!r}")
+
+
+class JsonDocument:
+    """JSON text and file I/O for a type with ``to_dict`` / ``from_dict``.
+
+    ``from_dict`` does the validation; this adds the messages for text that is not JSON
+    and for files that do not exist, naming what was expected (``what``).
+    """
+
+    what = "document"
+
+    def to_dict(self) -> dict:  # pragma: no cover - provided by the subclass
+        raise NotImplementedError
+
+    @classmethod
+    def from_dict(cls, data):  # pragma: no cover - provided by the subclass
+        raise NotImplementedError
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{cls.what} is not valid JSON: {exc}") from None
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path):
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"{cls.what} file {str(p)!r} does not exist")
+        try:
+            return cls.from_json(p.read_text())
+        except ValueError as exc:
+            raise ValueError(f"{p}: {exc}") from None

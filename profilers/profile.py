@@ -8,12 +8,10 @@ each candidate per bucket, and the environment it was all measured in.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from advisor.schema import SchemaError, from_jsonable, to_jsonable
+from advisor.schema import JsonDocument, SchemaError, from_jsonable, to_jsonable
 
 PROFILE_VERSION = 1
 PROFILE_KIND = "compression-advisor/cluster-profile"
@@ -181,7 +179,9 @@ class Environment:
 
 
 @dataclass
-class ClusterProfile:
+class ClusterProfile(JsonDocument):
+    what = "cluster profile"
+
     environment: Environment
     compute: ComputeProfile
     network: NetworkProfile | None = None
@@ -208,27 +208,3 @@ class ClusterProfile:
             return from_jsonable(cls, data)
         except SchemaError as exc:
             raise ValueError(f"malformed cluster profile: {exc}") from None
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> "ClusterProfile":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"cluster profile is not valid JSON: {exc}") from None
-        return cls.from_dict(data)
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json() + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path) -> "ClusterProfile":
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"profile file {str(p)!r} does not exist")
-        try:
-            return cls.from_json(p.read_text())
-        except ValueError as exc:
-            raise ValueError(f"{p}: {exc}") from None

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..compressors.registry import CompressorConfig, parse
+from ..schema import JsonDocument
 
 PLAN_VERSION = 1
 PLAN_KIND = "compression-advisor/plan"
@@ -36,8 +37,10 @@ class PlanGroup:
 
 
 @dataclass
-class Plan:
+class Plan(JsonDocument):
     """A typed, versioned plan; see :meth:`to_dict` for the JSON form."""
+
+    what = "plan"
 
     groups: list[PlanGroup] = field(default_factory=list)
     default: CompressorConfig = field(default_factory=lambda: CompressorConfig("none"))
@@ -163,30 +166,6 @@ class Plan:
             metadata=dict(data.get("metadata", {})),
             version=version,
         )
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> "Plan":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"plan is not valid JSON: {exc}") from None
-        return cls.from_dict(data)
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json() + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path) -> "Plan":
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"plan file {str(p)!r} does not exist")
-        try:
-            return cls.from_json(p.read_text())
-        except ValueError as exc:
-            raise ValueError(f"{p}: {exc}") from None
 
     def digest(self) -> str:
         """A hash of everything that changes what goes on the wire (metadata excluded)."""
