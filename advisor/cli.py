@@ -133,6 +133,81 @@ def profile_cmd(spec, nproc, rate, configs, network, kernels, fidelity, timeout,
     click.echo(f"profile written to {out_path}")
 
 
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|ms|us|µs)?\s*$")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``"50us"``, ``"0.2ms"``, ``"1s"`` or a number of seconds."""
+    match = _DURATION.match(str(text))
+    if not match:
+        raise ValueError(f"cannot read duration {text!r}; write e.g. '50us', '0.2ms' or a number of seconds")
+    value, unit = float(match.group(1)), match.group(2) or "s"
+    return value * {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6}[unit]
+
+
+BASELINES = ("none", "fp16", "bf16")
+
+
+@main.command("whatif")
+@click.argument("profile_path", metavar="PROFILE")
+@click.option("--world-size", type=int, default=None, help="Workers (1..1024); default: as profiled.")
+@click.option("--bandwidth", default=None, help="Per-link rate, e.g. 10Gbit; default: as profiled.")
+@click.option("--latency", default=None, help="Per-hop latency, e.g. 50us; default: as profiled.")
+@click.option("--speedup", type=float, default=1.0, show_default=True, help="Device this many times faster.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def whatif_cmd(profile_path, world_size, bandwidth, latency, speedup, as_json) -> None:
+    """Would compression help on another cluster, and which compressor?"""
+    from profilers.profile import ClusterProfile
+
+    from .emulated import parse_rate
+    from .perfmodel import PerformanceModel, Scenario
+    from .runtime import Plan
+
+    try:
+        profile = ClusterProfile.load(profile_path)
+        scenario = Scenario(
+            world_size=world_size,
+            bandwidth_bps=parse_rate(bandwidth) if bandwidth is not None else None,
+            latency_s=parse_duration(latency) if latency is not None else None,
+            compute_speedup=speedup,
+        )
+        model = PerformanceModel(profile, scenario)
+        candidates = ["none"] + sorted(profile.kernels.costs if profile.kernels else [])
+        rows = {c: model.predict(Plan.uniform(c, warmup_steps=0)) for c in dict.fromkeys(candidates)}
+    except ValueError as exc:
+        fail(str(exc))
+    baseline = min((c for c in rows if c in BASELINES), key=lambda c: rows[c].iteration_s)
+    best = min(rows, key=lambda c: rows[c].iteration_s)
+    base_s, best_s = rows[baseline].iteration_s, rows[best].iteration_s
+    helps = best not in BASELINES and best_s < base_s
+    verdict = (
+        f"compress with {best}: predicted {base_s / best_s:.2f}x faster than {baseline}"
+        if helps else f"do not compress: {baseline} is the fastest predicted plan"
+    )
+    if as_json:
+        click.echo(json.dumps({
+            "scenario": {"world_size": model.world, "bandwidth_bps": scenario.bandwidth_bps,
+                         "latency_s": scenario.latency_s, "compute_speedup": speedup},
+            "predicted_s": {c: t.iteration_s for c, t in rows.items()},
+            "compute_only_s": model.compute_only_s, "best": best, "best_baseline": baseline,
+            "compress": helps, "verdict": verdict,
+        }, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Predicted iteration at {model.world} workers (compute-only floor "
+                        f"{model.compute_only_s * 1e3:.1f} ms)")
+    table.add_column("plan (every bucket)")
+    table.add_column("ms/iteration", justify="right")
+    table.add_column(f"vs {baseline}", justify="right")
+    for c, t in sorted(rows.items(), key=lambda kv: kv[1].iteration_s):
+        table.add_row(c, f"{t.iteration_s * 1e3:.1f}", f"{base_s / t.iteration_s:.2f}x")
+    console = Console()
+    console.print(table)
+    console.print(verdict)
+
+
 @main.command("demo")
 @click.option("--steps", default=20, show_default=True, help="Timed steps per plan.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")

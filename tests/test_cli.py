@@ -71,3 +71,45 @@ def test_demo_measures_plans_side_by_side(runner):
     assert labels[:2] == ["compute only (no communication)", "DDP, no hook"]
     assert "powersgd(rank=4)" in labels
     assert all(r["ms_per_step"] > 0 for r in rows)
+
+
+def _saved_profile(tmp_path, rate=1e9):
+    from test_perfmodel import profile
+
+    prof = profile([(4000 * 4000, 0.04)], rate=rate,
+                   kernel_s_per_element={"fp16": (1e-9, 1e-9), "powersgd(rank=4)": (3e-9, 1e-9),
+                                         "topk(ratio=0.01)": (5e-9, 1e-9)})
+    path = tmp_path / "profile.json"
+    prof.save(path)
+    return path
+
+
+def test_whatif_recommends_compression_on_a_slow_link(runner, tmp_path):
+    path = _saved_profile(tmp_path)
+    result = runner.invoke(main, ["whatif", str(path), "--bandwidth", "100mbit", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["compress"] and data["best"] == "powersgd(rank=4)"
+
+
+def test_whatif_says_do_not_compress_on_a_fast_link(runner, tmp_path):
+    path = _saved_profile(tmp_path)
+    result = runner.invoke(main, ["whatif", str(path), "--bandwidth", "400Gbit", "--world-size", "512"])
+    assert result.exit_code == 0, result.output
+    assert "do not compress" in result.output
+
+
+@pytest.mark.parametrize(
+    "args,reason",
+    [
+        (["missing.json"], "does not exist"),
+        (["{p}", "--world-size", "0"], "world_size=0; allowed: an integer in 1..1024"),
+        (["{p}", "--bandwidth", "fast"], "cannot read rate 'fast'"),
+        (["{p}", "--latency", "soon"], "cannot read duration 'soon'"),
+    ],
+)
+def test_whatif_refuses_bad_input_with_exit_code_2(runner, tmp_path, args, reason):
+    path = _saved_profile(tmp_path)
+    result = runner.invoke(main, ["whatif", *[a.replace("{p}", str(path)) for a in args]])
+    assert result.exit_code == 2
+    assert reason in result.output
