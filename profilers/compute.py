@@ -164,16 +164,16 @@ def profile_compute(
         ddp.zero_grad(set_to_none=True)
 
     names = [n for n, _ in named]
-    local = [statistics.median(fwd), statistics.median(bwd), statistics.median(opt)]
+    local = [statistics.median(fwd), statistics.median(bwd), statistics.median(opt), copy_rate(named)]
     local += [statistics.median(run[n] for run in ready_runs) for n in names]
     # layer costs per step, then medians: robust to one slow step
     per_step_layers = [layer_costs(run, names) for run in ready_runs]
     layers = sorted(per_step_layers[0])
     local += [statistics.median(c.get(layer, 0.0) for c in per_step_layers) for layer in layers]
     merged = _slowest(local, group)
-    forward_s, backward_s, optimizer_s = merged[:3]
-    ready = dict(zip(names, merged[3 : 3 + len(names)]))
-    layer_backward = dict(zip(layers, merged[3 + len(names) :]))
+    forward_s, backward_s, optimizer_s, copy_s_per_byte = merged[:4]
+    ready = dict(zip(names, merged[4 : 4 + len(names)]))
+    layer_backward = dict(zip(layers, merged[4 + len(names) :]))
     by_name = dict(named)
     return ComputeProfile(
         forward_s=forward_s,
@@ -186,4 +186,22 @@ def profile_compute(
         layer_backward_s=layer_backward,
         buckets=buckets,
         backward_s_by_rank=_gather(local[1], group),
+        copy_s_per_byte=copy_s_per_byte,
     )
+
+
+def copy_rate(named, repeats: int = 5) -> float:
+    """Seconds per byte of copying a buffer the size of all gradients (median of runs)."""
+    numel = sum(p.numel() for _, p in named)
+    device = named[0][1].device if named else "cpu"
+    src = torch.ones(numel, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch: page faults are not the steady state
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if src.is_cuda:
+            torch.cuda.synchronize(src.device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / max(1, numel * 4)

@@ -57,9 +57,12 @@ class ComputeProfile:
     layer_backward_s: dict[str, float]
     buckets: list[Bucket]
     backward_s_by_rank: list[float] = field(default_factory=list)
+    #: seconds per byte of a plain tensor copy on this device, as training gets it: DDP
+    #: copies every gradient into its bucket and back, and a comm hook adds a pass
+    copy_s_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("forward_s", "backward_s", "optimizer_s"):
+        for name in ("forward_s", "backward_s", "optimizer_s", "copy_s_per_byte"):
             _finite(name, getattr(self, name))
 
     @property

@@ -181,3 +181,14 @@ def test_timelines_export_to_chrome_trace_png_and_json(tmp_path):
     t.save_png(tmp_path / "t.png")
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
     assert Timeline.from_dict(json.loads(json.dumps(t.to_dict()))) == t
+
+
+def test_ddp_bucket_copies_delay_backward_and_add_a_tail():
+    numel = 1000 * 1000
+    prof = profile([(numel, 40 * MS)])
+    prof.compute.copy_s_per_byte = 1e-10  # 10 GB/s
+    t = PerformanceModel(prof).predict(Plan.uniform("none", warmup_steps=0))
+    copy = numel * 4 * 1e-10
+    comm = 8 * numel * 4 / 1e9
+    assert t.backward_end_s == pytest.approx(40 * MS + copy)  # copied in on the backward thread
+    assert t.iteration_s == pytest.approx(10 * MS + 40 * MS + copy + comm + copy + 2 * MS, rel=0.01)

@@ -11,6 +11,8 @@ and decode):
   fitted collective model says for their bytes and type (ring all-reduce: the bandwidth
   term hardly grows with the number of workers; all-gather: it grows linearly);
 * decode follows the collective on the communication side, in bucket order;
+* DDP copies each gradient into its bucket as it becomes ready (on the backward thread)
+  and every averaged bucket back into the gradients at the end, at the measured copy rate;
 * the optimizer runs when backward and every decode are done.
 
 One calibration factor, ``overlap``, stretches the backward-and-communication part to
@@ -132,6 +134,11 @@ class PerformanceModel:
         self.forward_s = compute.forward_s / speed
         self.backward_s = compute.backward_s / speed
         self.optimizer_s = compute.optimizer_s / speed
+        # DDP's own passes with a comm hook: each gradient is copied into its bucket as it
+        # becomes ready (on the backward thread) and the averaged bucket back afterwards
+        copy = compute.copy_s_per_byte / speed
+        self.copy_in_s = np.array([b.numel * 4 * copy for b in self.buckets])
+        self.copy_out_s = float(self.copy_in_s.sum())
 
     # --- costs ----------------------------------------------------------------------
     def _kernel_seconds(self, config: CompressorConfig, numel: int) -> tuple[float, float]:
@@ -178,6 +185,7 @@ class PerformanceModel:
         decode_free = np.zeros(plans)
         spans = []
         for b in range(enc.shape[1]):
+            shift = shift + self.copy_in_s[b]
             enc_start = self.ready_s[b] + shift
             enc_end = enc_start + enc[:, b]
             shift = shift + enc[:, b]
@@ -188,7 +196,7 @@ class PerformanceModel:
             decode_free = decode_end
             spans.append((enc_start, enc_end, comm_start, comm_end, decode_end))
         backward_end = self.backward_s + shift
-        end = np.maximum(backward_end, decode_free)
+        end = np.maximum(backward_end, decode_free) + self.copy_out_s
         iteration = self.forward_s + self.overlap * end + self.optimizer_s
         return iteration, backward_end, spans
 
