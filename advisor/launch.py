@@ -8,6 +8,7 @@ and reported with the ranks still running: never a hang.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 import tempfile
@@ -20,6 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+log = logging.getLogger("advisor.launch")
 
 
 class RankFailed(RuntimeError):
@@ -82,6 +86,10 @@ def _rank_entry(
         try:
             result = fn(rank, world_size, *args)
             leave_together(store)
+            # saved before teardown: a crash while gloo shuts down cannot lose the result
+            partial = Path(result_dir) / f"rank{rank}.pt.partial"
+            torch.save(result, partial)
+            partial.rename(Path(result_dir) / f"rank{rank}.pt")
         except BaseException:
             # written before the group closes, so the root cause is dated before the
             # "connection reset" its peers will report next
@@ -89,7 +97,6 @@ def _rank_entry(
             raise
         finally:
             dist.destroy_process_group()
-        torch.save(result, Path(result_dir) / f"rank{rank}.pt")
     except BaseException:
         if not report.exists():
             report.write_text(traceback.format_exc())
@@ -120,9 +127,44 @@ def leave_together(store: dist.Store | None = None) -> None:
         store.wait([f"advisor/left/{r}" for r in range(1, world_size)])
 
 
+def _wait(processes, result_dir: str, timeout: float, grace: float = 3.0) -> None:
+    """Wait for every rank; raise RankFailed naming the rank that failed or hung.
+
+    A rank that exits abnormally *after* saving its result (a crash in gloo's teardown at
+    exit) has done its work: that is logged, not raised.  A rank that fails before gives
+    its peers ``grace`` seconds to fail in consequence, so the root cause can be named.
+    """
+    deadline = time.monotonic() + timeout
+    failed_at = None
+    while True:
+        codes = [p.exitcode for p in processes]
+        done = [Path(result_dir, f"rank{r}.pt").exists() for r in range(len(processes))]
+        if all(c is not None for c in codes):
+            break
+        if failed_at is None and any(c not in (None, 0) and not d for c, d in zip(codes, done)):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > grace:
+            break
+        if time.monotonic() > deadline:
+            alive = [i for i, p in enumerate(processes) if p.is_alive()]
+            raise RankFailed(f"rank(s) {alive} did not finish within {timeout:.0f} s", alive[0] if alive else None)
+        time.sleep(0.05)
+    codes = [p.exitcode for p in processes]
+    done = [Path(result_dir, f"rank{r}.pt").exists() for r in range(len(processes))]
+    if all(done):
+        for rank, code in enumerate(codes):
+            if code not in (0, None):
+                log.warning("rank %d exited with code %s after finishing its work (a crash at teardown); "
+                            "its result is kept", rank, code)
+        return
+    if any(Path(result_dir).glob("rank*.err")):
+        raise _first_failure(result_dir, next(r for r, d in enumerate(done) if not d), "")
+    rank = next(r for r, d in enumerate(done) if not d)
+    raise RankFailed(f"rank {rank} died (exit code {codes[rank]})", rank)
+
+
 def _first_failure(result_dir: str, reported: int, fallback: str) -> RankFailed:
     """The rank that failed first (its peers usually fail next, of a broken connection)."""
-    time.sleep(0.5)  # let peers that fail in consequence write their reports
     reports = sorted(Path(result_dir).glob("rank*.err"), key=lambda p: p.stat().st_mtime_ns)
     if not reports:
         return RankFailed(f"rank {reported} failed:\n{fallback}", reported)
@@ -186,16 +228,8 @@ def _launch_once(
             join=False,
             start_method="spawn",
         )
-        deadline = time.monotonic() + timeout
         try:
-            while not ctx.join(timeout=0.2):
-                if time.monotonic() > deadline:
-                    alive = [i for i, p in enumerate(ctx.processes) if p.is_alive()]
-                    raise RankFailed(f"rank(s) {alive} did not finish within {timeout:.0f} s", alive[0] if alive else None)
-        except mp.ProcessRaisedException as exc:
-            raise _first_failure(result_dir, exc.error_index, str(exc)) from None
-        except mp.ProcessExitedException as exc:
-            raise RankFailed(f"rank {exc.error_index} died (exit code {exc.exit_code})", exc.error_index) from None
+            _wait(ctx.processes, result_dir, timeout)
         finally:
             for p in ctx.processes:
                 if p.is_alive():
