@@ -213,19 +213,20 @@ def whatif_cmd(profile_path, world_size, bandwidth, latency, speedup, as_json) -
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def demo_cmd(steps: int, as_json: bool) -> None:
     """Run plans side by side on a local 2-process cluster and print what is fastest."""
-    from .demo import as_dicts, render, run_demo
+    from .demo import as_dicts, demo_cluster_description, render, run_demo
 
     if steps < 1:
         raise click.UsageError(f"--steps={steps}; allowed: an integer >= 1")
+    where = demo_cluster_description()
     if as_json:
-        click.echo(json.dumps(as_dicts(run_demo(steps=steps)), indent=2))
+        click.echo(json.dumps({"cluster": where, "rows": as_dicts(run_demo(steps=steps))}, indent=2))
         return
     from rich.console import Console
 
     console = Console()
-    with console.status("measuring plans on a local 2-rank gloo cluster ..."):
+    with console.status(f"measuring plans on {where} ..."):
         rows = run_demo(steps=steps)
-    render(rows, console)
+    render(rows, console, where)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -66,7 +66,9 @@ def test_profile_writes_a_profile_and_prints_json(runner, tmp_path):
 def test_demo_measures_plans_side_by_side(runner):
     result = runner.invoke(main, ["demo", "--steps", "3", "--json"])
     assert result.exit_code == 0, result.output
-    rows = json.loads(result.output)
+    data = json.loads(result.output)
+    assert data["cluster"]  # says where it ran: emulated network or loopback
+    rows = data["rows"]
     labels = [r["label"] for r in rows]
     assert labels[:2] == ["compute only (no communication)", "DDP, no hook"]
     assert "powersgd(rank=4)" in labels
