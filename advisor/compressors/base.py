@@ -137,11 +137,7 @@ class ExchangeContext:
         served by new pages from the OS, and faulting them in costs more than the
         arithmetic.  Contents are undefined on return.
         """
-        key = (name, dtype, torch.device(device))
-        buf = self.workspace.get(key)
-        if buf is None or buf.numel() != numel:
-            buf = self.workspace[key] = torch.empty(numel, dtype=dtype, device=device)
-        return buf
+        return cached_buffer(self.workspace, name, numel, dtype, device)
 
     def payload(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A buffer for the first message of an exchange.
@@ -167,6 +163,15 @@ class ExchangeContext:
         from torch's global generator so compression never shifts the user's random stream.
         """
         return self.generator(salt * 65_537 + 104_729 * (self.rank + 1), device)
+
+
+def cached_buffer(workspace: dict, name: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """``workspace[name]`` as a flat tensor of ``numel`` values, made anew only on a change."""
+    key = (name, dtype, torch.device(device))
+    buf = workspace.get(key)
+    if buf is None or buf.numel() != numel:
+        buf = workspace[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf
 
 
 Exchange = Generator[Message, torch.Tensor, None]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..compressors.base import Collective, Exchange, Message
+from ..compressors.base import Collective, Exchange, Message, cached_buffer
 
 
 class Channel:
@@ -74,12 +74,8 @@ class ProcessGroupChannel(Channel):
         if message.collective is Collective.ALL_REDUCE_MAX:
             return dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), t
         numel = self.world_size * t.numel()
-        out = None
         if message.workspace is not None:
-            key = ("gathered", t.dtype, t.device)
-            out = message.workspace.get(key)
-            if out is None or out.numel() != numel:
-                out = message.workspace[key] = torch.empty(numel, dtype=t.dtype, device=t.device)
+            out = cached_buffer(message.workspace, "gathered", numel, t.dtype, t.device)
         else:
             out = torch.empty(numel, dtype=t.dtype, device=t.device)
         work = _all_gather_single(out, t, group=self.group, async_op=True)
@@ -90,24 +86,19 @@ class ProcessGroupChannel(Channel):
 class Job:
     """A bucket: its segment exchanges and the future DDP waits on.
 
-    ``first_messages`` holds each exchange's first message when the caller already ran
-    that first encode step (None where it did not), so only issuing remains ordered.
+    Constructing a job runs every exchange up to its first message, in the caller's
+    thread (local work only: encoding); the executor then only issues, in order.
     """
 
     exchanges: list[Exchange]
     future: torch.futures.Future
     result: torch.Tensor
     ends_iteration: bool
-    first_messages: list[Message | None] | None = None
+    first_messages: list[Message] = field(init=False)
     remaining: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.remaining = len(self.exchanges)
-        if self.first_messages is None:
-            self.first_messages = [None] * len(self.exchanges)
-
-    def encode_first(self) -> None:
-        """Run every exchange up to its first message, here and now (local work only)."""
         self.first_messages = [next(exchange) for exchange in self.exchanges]
 
 
@@ -176,12 +167,6 @@ class OrderedExecutor:
 
     def _issue(self, job: Job) -> None:
         for exchange, message in zip(job.exchanges, job.first_messages):
-            if message is None:
-                try:
-                    message = next(exchange)
-                except StopIteration:
-                    self._segment_done(job)
-                    continue
             while True:
                 handle, result = self.channel.issue(message)
                 if message.last:

@@ -159,13 +159,12 @@ def compression_hook(state: CompressionHook, bucket):  # no annotations: DDP che
 
     (DDP looks the second argument up by the name ``bucket``.)
     """
+    # make_job encodes here, on the thread that runs backward, as PyTorch's own hooks do:
+    # encoding competes with backward for the device either way, and on CPU a second busy
+    # thread per rank only adds contention.  Only the collectives go to the channel.
     job = state.make_job(bucket)
     if job.ends_iteration:
         state.step += 1
-    # Encode here, on the thread that runs backward, as PyTorch's own hooks do: encoding
-    # competes with backward for the device either way, and on CPU a second busy thread
-    # per rank only adds contention.  Only the collectives go to the ordered channel.
-    job.encode_first()
     state._executor.submit(job)
     return job.future
 
