@@ -5,12 +5,16 @@ from .runtime import CompressionHook, Plan, PlanGroup, install
 
 __version__ = "0.1.0"
 
+from .autotune import autotune, autotune_model  # noqa: E402  (needs __version__ for profiles)
+
 __all__ = [
     "CompressionHook",
     "CompressorConfig",
     "Plan",
     "PlanGroup",
     "__version__",
+    "autotune",
+    "autotune_model",
     "available",
     "build",
     "install",

@@ -149,3 +149,33 @@ class JsonDocument:
             return cls.from_json(p.read_text())
         except ValueError as exc:
             raise ValueError(f"{p}: {exc}") from None
+
+
+class VersionedDocument(JsonDocument):
+    """A dataclass document with ``kind`` and ``version`` fields checked on load.
+
+    Subclasses set ``KIND`` and ``VERSION`` (class constants) and declare ``kind`` and
+    ``version`` fields defaulting to them.
+    """
+
+    KIND = ""
+    VERSION = 1
+
+    def to_dict(self) -> dict:
+        return to_jsonable(self)
+
+    @classmethod
+    def from_dict(cls, data):
+        if not isinstance(data, dict):
+            raise ValueError(f"a {cls.what} must be a JSON object, got {type(data).__name__}")
+        if data.get("kind") != cls.KIND:
+            raise ValueError(f"not a {cls.what}: 'kind' is {data.get('kind')!r}, expected {cls.KIND!r}")
+        if data.get("version") != cls.VERSION:
+            raise ValueError(
+                f"{cls.what} version {data.get('version')!r} is not supported (this advisor reads version "
+                f"{cls.VERSION}); create it again with this version"
+            )
+        try:
+            return from_jsonable(cls, data)
+        except SchemaError as exc:
+            raise ValueError(f"malformed {cls.what}: {exc}") from None

@@ -51,6 +51,11 @@ class CompressionHook:
         self._residuals = ResidualStore()
         self._layouts: dict[tuple[int, ...], list[tuple[SegmentLayout, CompressorConfig, int]]] = {}
         self._workspaces: dict[tuple[str, ...], dict] = {}
+        #: residuals of parameters whose new config has no error feedback, delivered
+        #: (added to the gradient) on their next step so no update is lost
+        self._pending: dict[str, torch.Tensor] = {}
+        #: (step, plan digest, reason) for every plan this hook has run
+        self.plan_history: list[tuple[int, str, str]] = [(0, plan.digest(), "installed")]
         channel = ProcessGroupChannel(group) if self.world_size > 1 else LocalChannel()
         self.channel = channel
         self._executor = OrderedExecutor(channel, threaded=self.world_size > 1)
@@ -98,12 +103,45 @@ class CompressionHook:
             )
             residuals = self._residuals if compressor.error_feedback else None
             grad = buffer[offset : offset + layout.numel]
+            if self._pending:
+                self._deliver_pending(layout, grad)
             exchanges.append(
                 guarded_exchange(
                     compressor, grad, layout, self._compressor_state, residuals, ctx, self._count_nonfinite
                 )
             )
         return Job(exchanges, fut, buffer, ends_iteration=bucket.is_last())
+
+    def _deliver_pending(self, layout: SegmentLayout, grad: torch.Tensor) -> None:
+        for name, view in zip(layout.names, layout.views(grad)):
+            pending = self._pending.pop(name, None)
+            if pending is not None:
+                view.add_(pending.view_as(view))
+
+    # --- changing plans -------------------------------------------------------------
+    def set_plan(self, plan: Plan | Mapping[str, Any] | str | Path, reason: str = "", verify: bool = True) -> None:
+        """Run ``plan`` from the next iteration on; call on every rank between iterations.
+
+        Residuals stay with their parameters when the new config also uses error feedback;
+        otherwise they are added to that parameter's next gradient, so no update is lost.
+        ``verify`` compares the plan's digest across ranks (one small collective) and
+        raises on every rank if they differ.
+        """
+        plan = as_plan(plan)
+        plan.check_against(self._names.values())
+        if verify and self.world_size > 1:
+            digests: list[Any] = [None] * self.world_size
+            dist.all_gather_object(digests, plan.digest(), group=self.group)
+            if len(set(digests)) > 1:
+                raise ValueError(f"ranks switched to different plans (digests by rank: {digests}); plan unchanged")
+        for name, residual in list(self._residuals.state_dict().items()):
+            if not self._compressor(plan.config_for(name)).error_feedback:
+                self._pending[name] = residual
+        self._residuals.drop([n for n in self._pending])
+        self.plan = plan
+        self._layouts.clear()
+        self.plan_history.append((self.step, plan.digest(), reason))
+        log.info("plan changed at step %d (%s): %s", self.step, reason or "no reason given", plan.digest())
 
     def _count_nonfinite(self, layout: SegmentLayout, step: int) -> None:
         self.nonfinite_events += 1
@@ -117,6 +155,7 @@ class CompressionHook:
             "step": self.step,
             "nonfinite_events": self.nonfinite_events,
             "residuals": self._residuals.state_dict(),
+            "pending": {name: t.detach().clone() for name, t in self._pending.items()},
             "compressor_state": {
                 key: {name: t.detach().clone() for name, t in per_name.items()}
                 for key, per_name in self._compressor_state.items()
@@ -140,6 +179,7 @@ class CompressionHook:
         self.step = int(state["step"])
         self.nonfinite_events = int(state.get("nonfinite_events", 0))
         self._residuals.load_state_dict(state["residuals"])
+        self._pending = {name: t.detach().clone() for name, t in state.get("pending", {}).items()}
         self._compressor_state = {
             key: {name: t.detach().clone() for name, t in per_name.items()}
             for key, per_name in state["compressor_state"].items()

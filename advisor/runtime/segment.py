@@ -54,6 +54,17 @@ class ResidualStore:
         if buf is not None:
             buf.zero_()
 
+    def drop(self, names) -> None:
+        """Forget these parameters' residuals (and every flat buffer holding one)."""
+        names = set(names)
+        for key in [k for k in self._flats if set(k) & names]:
+            kept = [n for n in key if n not in names]
+            for n in kept:  # the other parameters of that buffer keep their values
+                self._by_name[n] = self._by_name[n].clone()
+            del self._flats[key]
+        for n in names:
+            self._by_name.pop(n, None)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: t.detach().clone() for name, t in self._by_name.items()}
 

@@ -1,0 +1,287 @@
+"""``autotune``: profile the live cluster, search plans, prove the best live, install it.
+
+Called on every rank of a running job with the user's DDP model, a loss function and a
+few batches::
+
+    result = advisor.autotune(ddp_model, loss_fn, batches, optimizer)
+    result.render()            # rich summary; result.to_json() for scripts
+
+1. Profile (compute, network, compressor kernels, fidelity) on the real ranks.
+2. Rank 0 searches (Optuna by default, seeded with the baselines and the greedy plan)
+   for the fastest predicted plan within the fidelity budget and broadcasts the top few.
+3. Every rank measures them live, interleaved with native DDP fp32 and the 16-bit casts,
+   on a shadow copy of the model (the user's model and optimizer end as they began).
+4. Do no harm: compression is recommended only when it beats the best baseline by more
+   than the measured noise.  Rank 0 decides and broadcasts; the others check that their
+   own decision from the same (all-reduced) numbers agrees.
+5. The chosen plan is installed on the user's model, unless the advice is fp32: then
+   no hook is installed at all (native DDP is the fastest fp32 path).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from policies.base import Policy
+from policies.do_no_harm import CANDIDATE, FP32, SIXTEEN_BIT, LiveMeasurement, decide
+from policies.greedy import GreedyPolicy
+from policies.optuna_search import OptunaPolicy
+from policies.problem import DEFAULT_REFERENCE, TuningProblem
+
+from .compressors.registry import parse
+from .live import LossFn, measure_plans
+from .report import AutotuneResult, BucketRow
+from .runtime import Plan, install
+
+log = logging.getLogger("advisor.autotune")
+
+DEFAULT_CANDIDATES = (
+    "none", "fp16", "bf16", "powersgd(rank=1)", "powersgd(rank=4)", "topk(ratio=0.01)",
+    "intquant(bits=8, packed=0)",
+)
+POLICIES = ("optuna", "greedy")
+
+
+def _policy(policy, trials: int) -> Policy:
+    if isinstance(policy, Policy):
+        return policy
+    if policy == "optuna":
+        return OptunaPolicy(n_trials=trials)
+    if policy == "greedy":
+        return GreedyPolicy()
+    raise ValueError(f"policy={policy!r}; allowed: {', '.join(POLICIES)} or a policies.Policy instance")
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r}; allowed: an integer >= {minimum}")
+
+
+def _broadcast(obj, group=None):
+    """Rank 0's ``obj`` on every rank."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return box[0]
+
+
+def _rank(group=None) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def autotune(
+    ddp_model: DistributedDataParallel,
+    loss_fn: LossFn,
+    batches: Sequence[Any],
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    candidates: Sequence[str] = DEFAULT_CANDIDATES,
+    budget: float | None = None,
+    reference: str | None = DEFAULT_REFERENCE,
+    policy: str | Policy = "optuna",
+    trials: int = 2000,
+    top: int = 3,
+    rounds: int = 3,
+    steps: int = 5,
+    warmup_steps: int = 10,
+    min_gain: float = 0.0,
+    residual_model=None,
+    profile=None,
+    install_plan: bool = True,
+    group=None,
+    progress: Callable[[str], None] | None = None,
+    where: str = "",
+) -> AutotuneResult:
+    """Find, prove and install the best plan for this model on this cluster; every rank calls it.
+
+    ``loss_fn(model, batch) -> loss``; ``batches``: a few representative batches (the
+    profilers and the live runs cycle through them).  ``candidates``: configs the policy may
+    choose per bucket (``none`` is always one).  ``budget``: the largest size-weighted
+    fidelity error allowed (default: that of ``reference`` everywhere).  ``top``: how many
+    of the best predicted plans are measured live.  ``residual_model``: a fitted
+    :class:`policies.learned.ResidualModel` that corrects predictions when ranking.
+    ``warmup_steps``: uncompressed steps at the start of the installed plan.  Returns an
+    :class:`AutotuneResult`; ``result.hook`` is the installed hook (None when the advice is
+    native fp32).
+    """
+    # --- validate everything before any work --------------------------------------
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(f"autotune needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
+    if not dist.is_initialized():
+        raise RuntimeError("autotune needs an initialised process group (torchrun, or advisor.launch)")
+    labels = list(dict.fromkeys(parse(c).label for c in ["none", *candidates]))
+    if reference is not None and budget is None and parse(reference).label not in labels:
+        labels.append(parse(reference).label)
+    chosen_policy = _policy(policy, trials)
+    for name, value, minimum in (("trials", trials, 1), ("top", top, 1), ("rounds", rounds, 1),
+                                 ("steps", steps, 1), ("warmup_steps", warmup_steps, 0)):
+        _check_int(name, value, minimum)
+    if not 0 <= min_gain < 1:
+        raise ValueError(f"min_gain={min_gain!r}; allowed: 0 <= min_gain < 1")
+    batches = list(batches)
+    if not batches:
+        raise ValueError("autotune needs at least one batch")
+    say = progress or (lambda msg: None)
+    t_start = time.perf_counter()
+
+    # --- 1. profile -----------------------------------------------------------------
+    if profile is None:
+        from profilers.cluster import profile_cluster
+
+        say("profiling compute, network, compressor kernels and fidelity")
+        profile = profile_cluster(ddp_model, loss_fn, batches, optimizer,
+                                  configs=[c for c in labels if c != "none"], group=group, note=where)
+    from profilers.profile import ClusterProfile
+
+    profile = ClusterProfile.from_dict(_broadcast(profile.to_dict(), group))  # one profile for all ranks
+    t_profiled = time.perf_counter()
+
+    # --- 2. search (rank 0) ---------------------------------------------------------
+    problem = TuningProblem.from_profile(profile, labels, budget=budget, reference=reference)
+    if residual_model is not None:
+        problem.correction = residual_model
+    found = None
+    if _rank(group) == 0:
+        say(f"searching plans ({chosen_policy.name})")
+        found = chosen_policy.search(problem)
+    found = _broadcast(found, group)
+    t_searched = time.perf_counter()
+
+    # --- 3. measure the top candidates live next to the baselines ------------------------
+    plans: dict[str, Plan] = {}
+    kinds: dict[str, str] = {"fp32": FP32}
+    described: dict[str, str] = {"fp32": "fp32 (native DDP, no hook)"}
+    predicted: dict[str, float] = {"fp32": float(problem.predict(problem.uniform("none"))[0])}
+    choices_of: dict[str, np.ndarray] = {"fp32": problem.uniform("none")[0]}
+    for c in ("fp16", "bf16"):
+        if c in problem.configs:
+            plans[c] = Plan.uniform(c, warmup_steps=0)
+            kinds[c], described[c] = SIXTEEN_BIT, f"{c} everywhere"
+            choices_of[c] = problem.uniform(c)[0]
+            predicted[c] = float(problem.predict(problem.uniform(c))[0])
+    seen = {v.tobytes() for v in choices_of.values()}
+    for choices in found.top(top):
+        if choices.tobytes() in seen:
+            continue
+        seen.add(choices.tobytes())
+        label = f"candidate {len(seen) - len(choices_of)}"
+        choices_of[label] = choices
+        plans[label] = problem.plan(choices, warmup_steps=0)
+        kinds[label], described[label] = CANDIDATE, problem.describe(choices)
+        predicted[label] = float(problem.predict(choices[None, :])[0])
+    say(f"measuring {len(plans) + 1} plans live, {rounds} interleaved rounds")
+    rounds_s = measure_plans(ddp_model, loss_fn, batches, optimizer, plans, rounds=rounds, steps=steps,
+                             group=group, progress=say)
+    measured = [LiveMeasurement(label, kinds[label], rounds_s[label], predicted[label], described[label])
+                for label in rounds_s]
+    t_measured = time.perf_counter()
+
+    # --- 4. decide: rank 0 decides, the others verify --------------------------------------
+    mine = decide(measured, min_gain=min_gain)
+    decision = _broadcast(mine, group)
+    if decision.chosen != mine.chosen:
+        log.warning("rank %d would have chosen %s; following rank 0's decision (%s)", _rank(group),
+                    mine.chosen, decision.chosen)
+
+    # --- 5. install ----------------------------------------------------------------------
+    chosen_choices = choices_of[decision.chosen]
+    if decision.kind == CANDIDATE:
+        final = problem.plan(chosen_choices, warmup_steps=warmup_steps,
+                             metadata={"advisor": "autotune", "description": described[decision.chosen]})
+    elif decision.kind == SIXTEEN_BIT:
+        final = Plan.uniform(decision.chosen, warmup_steps=0, metadata={"advisor": "autotune"})
+    else:
+        final = Plan.uniform("none", warmup_steps=0, metadata={"advisor": "autotune", "native": True})
+    hook = None
+    if install_plan and decision.kind != FP32:
+        hook = install(ddp_model, final, group=group)
+
+    result = _result(problem, found, decision, measured, predicted, described, final, chosen_choices,
+                     profile, where, {"profile": t_profiled - t_start, "search": t_searched - t_profiled,
+                                      "measure": t_measured - t_searched,
+                                      "total": time.perf_counter() - t_start})
+    result.hook = hook  # not part of the JSON document
+    return result
+
+
+def _result(problem, found, decision, measured, predicted, described, final, choices, profile, where, seconds):
+    by_label = {m.label: m for m in measured}
+    fp32 = by_label["fp32"].median_s
+    sixteen = [m for m in measured if m.kind == SIXTEEN_BIT]
+    best16 = min(sixteen, key=lambda m: m.median_s) if sixteen else None
+    chosen_s = by_label[decision.chosen].median_s
+    speedup = {"measured_vs_fp32": fp32 / chosen_s, "predicted_vs_fp32": predicted["fp32"] / predicted[decision.chosen]}
+    if best16 is not None:
+        speedup["measured_vs_16bit"] = best16.median_s / chosen_s
+        speedup["predicted_vs_16bit"] = min(predicted[m.label] for m in sixteen) / predicted[decision.chosen]
+    rows = np.arange(problem.n_buckets)
+    costs = problem.costs
+    buckets = [
+        BucketRow(int(problem.model.buckets[b].index), len(problem.parameter_names[b]),
+                  int(problem.model.buckets[b].numel), problem.configs[int(c)], float(costs.encode_s[b, c]),
+                  float(costs.comm_s[b, c]), float(costs.decode_s[b, c]), int(costs.wire_bytes[b, c]),
+                  float(problem.errors[b, c]))
+        for b, c in zip(rows, choices)
+    ]
+    return AutotuneResult(
+        plan=final.to_dict(),
+        recommendation=decision.chosen,
+        compress=decision.compress,
+        description=described[decision.chosen],
+        reason=decision.reason,
+        predicted_s={**predicted, "compute_only": problem.model.compute_only_s},
+        measured=measured,
+        speedup=speedup,
+        fidelity_error=float(problem.fidelity_error(choices[None, :])[0]),
+        fidelity_budget=problem.budget,
+        reference=problem.reference,
+        policy=found.policy,
+        policy_evaluations=int(found.evaluations),
+        seconds=seconds,
+        world_size=profile.environment.world_size,
+        where=where or profile.environment.note or "this cluster",
+        buckets=buckets,
+    )
+
+
+def _autotune_rank(rank: int, world_size: int, spec: str, kwargs: dict):
+    from .workloads import build_workload
+
+    workload = build_workload(spec)
+    ddp = DistributedDataParallel(workload.model)
+    result = autotune(ddp, workload.loss_fn, workload.batches, workload.optimizer(), **kwargs)
+    if result.hook is not None:
+        result.hook.close()
+    result.hook = None
+    return result if rank == 0 else None
+
+
+def autotune_model(spec: str, nproc: int = 2, *, rate: str | None = None, timeout: float = 900.0,
+                   **kwargs: Any) -> AutotuneResult:
+    """Launch ``nproc`` ranks for the workload ``spec`` and autotune it there (rank 0's result).
+
+    ``rate`` (e.g. ``"1gbit"``) runs on an emulated cluster with links of that rate (root
+    and iproute2); otherwise local processes over loopback.
+    """
+    from .launch import launch_local
+    from .workloads import load_factory
+
+    load_factory(spec)  # fail fast on a factory that does not import
+    kwargs = dict(kwargs)
+    if rate is None:
+        kwargs.setdefault("where", f"{nproc} local processes over loopback")
+        return launch_local(_autotune_rank, nproc, (spec, kwargs), timeout=timeout)[0]
+    from .emulated import EmulatedCluster
+
+    with EmulatedCluster(hosts=nproc, rate=rate) as cluster:
+        kwargs.setdefault("where", f"emulated cluster: {cluster.describe()}")
+        return cluster.run(_autotune_rank, (spec, kwargs), timeout=timeout)[0]

@@ -1,0 +1,139 @@
+"""Measure plans live on the running job, without touching the user's training state.
+
+Compression plans run on a *shadow*: a copy of the user's module in its own DDP wrapper
+with the compression hook, so the user's model keeps no hook (DDP takes one hook per
+model, forever) unless the advice is to compress.  The native fp32 baseline runs on the
+user's own DDP model, whose parameters and optimizer state are saved before and restored
+after.  Plans are measured in interleaved rounds, so drift on a shared machine hits all
+of them alike; each round's median step time is all-reduced with MAX (the slowest rank
+sets the pace), so every rank holds the same numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from .runtime import CompressionHook, Plan, install
+
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+def shadow_of(ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer | None):
+    """A copy of the module in its own DDP wrapper (same bucket cap), with a like optimizer."""
+    module = copy.deepcopy(ddp.module)
+    kwargs = {"bucket_cap_mb": ddp.bucket_bytes_cap / (1024 * 1024)}
+    if ddp.device_ids:
+        kwargs["device_ids"] = ddp.device_ids
+    shadow = DistributedDataParallel(module, process_group=ddp.process_group, **kwargs)
+    opt = None
+    if optimizer is not None:
+        try:
+            opt = type(optimizer)(module.parameters(), **optimizer.defaults)
+        except TypeError:  # an optimizer whose defaults are not its constructor arguments
+            opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+    return shadow, opt
+
+
+class StateGuard:
+    """Saves a model's parameters/buffers and its optimizer's state; restores them on exit."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        self.module = module
+        self.optimizer = optimizer
+
+    def __enter__(self) -> "StateGuard":
+        self._model = copy.deepcopy(self.module.state_dict())
+        self._opt = copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.module.load_state_dict(self._model)
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(self._opt)
+        self.module.zero_grad(set_to_none=True)
+
+
+def timed_steps(model, loss_fn: LossFn, batches: Sequence[Any], optimizer, steps: int, warmup: int,
+                start: int = 0) -> float:
+    """Median seconds of ``steps`` full training steps after ``warmup`` untimed ones."""
+    times = []
+    for i in range(warmup + steps):
+        batch = batches[(start + i) % len(batches)]
+        t0 = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        loss = loss_fn(model, batch)
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+        if not torch.isfinite(loss.detach()).all():
+            raise FloatingPointError(f"loss became {float(loss)} while measuring; the plan or the model diverges")
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def slowest(seconds: list[float], group=None) -> list[float]:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return seconds
+    t = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def measure_plans(
+    ddp: DistributedDataParallel,
+    loss_fn: LossFn,
+    batches: Sequence[Any],
+    optimizer: torch.optim.Optimizer | None,
+    plans: Mapping[str, Plan],
+    *,
+    native: bool = True,
+    rounds: int = 3,
+    steps: int = 5,
+    warmup: int = 2,
+    group=None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, list[float]]:
+    """Per label (``"fp32"`` for native DDP, then ``plans``' keys): each round's median step time.
+
+    The user's model and optimizer end exactly as they started.
+    """
+    batches = list(batches)
+    if not batches:
+        raise ValueError("measuring plans needs at least one batch")
+    for name, value in (("rounds", rounds), ("steps", steps)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}; allowed: an integer >= 1")
+    shadow, shadow_opt = shadow_of(ddp, optimizer)
+    hook: CompressionHook | None = None
+    labels = (["fp32"] if native else []) + list(plans)
+    result: dict[str, list[float]] = {label: [] for label in labels}
+    try:
+        first = next(iter(plans.values()), None)
+        if first is not None:
+            hook = install(shadow, first, group=group)
+        with StateGuard(ddp.module, optimizer):
+            for r in range(rounds):
+                local = []
+                for label in labels:
+                    if progress is not None:
+                        progress(f"round {r + 1}/{rounds}: {label}")
+                    if label == "fp32":
+                        local.append(timed_steps(ddp, loss_fn, batches, optimizer, steps, warmup))
+                        continue
+                    hook.set_plan(plans[label], reason=f"live measurement of {label}", verify=False)
+                    local.append(timed_steps(shadow, loss_fn, batches, shadow_opt, steps, warmup))
+                for label, seconds in zip(labels, slowest(local, group)):
+                    result[label].append(seconds)
+    finally:
+        if hook is not None:
+            hook.close()
+    return result

@@ -1,0 +1,119 @@
+"""The autotune result: a typed, versioned report that renders in rich and as JSON."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from policies.do_no_harm import LiveMeasurement
+
+from .runtime.plan import Plan
+from .schema import VersionedDocument
+
+RESULT_KIND = "compression-advisor/autotune-result"
+RESULT_VERSION = 1
+
+
+@dataclass
+class BucketRow:
+    """One DDP bucket under the chosen plan, as the performance model sees it."""
+
+    index: int
+    parameters: int
+    numel: int
+    config: str
+    encode_s: float
+    comm_s: float
+    decode_s: float
+    wire_bytes: int
+    fidelity_error: float
+
+
+@dataclass
+class AutotuneResult(VersionedDocument):
+    """What autotune found, predicted, measured and chose, and why."""
+
+    what = "autotune result"
+    KIND = RESULT_KIND
+    VERSION = RESULT_VERSION
+
+    plan: dict[str, Any]
+    recommendation: str
+    compress: bool
+    description: str
+    reason: str
+    predicted_s: dict[str, float]
+    measured: list[LiveMeasurement]
+    speedup: dict[str, float]
+    fidelity_error: float
+    fidelity_budget: float
+    reference: str | None
+    policy: str
+    policy_evaluations: int
+    seconds: dict[str, float]
+    world_size: int
+    where: str
+    buckets: list[BucketRow] = field(default_factory=list)
+    kind: str = RESULT_KIND
+    version: int = RESULT_VERSION
+
+    def plan_object(self) -> Plan:
+        return Plan.from_dict(self.plan)
+
+    def measured_s(self, label: str) -> float | None:
+        for m in self.measured:
+            if m.label == label:
+                return m.median_s
+        return None
+
+    def render(self, console=None) -> None:
+        from rich.console import Console
+        from rich.table import Table
+
+        console = console or Console()
+        verdict = "compress" if self.compress else "do not compress"
+        console.print(f"[bold]Advice ({self.where}, {self.world_size} ranks): {verdict}: "
+                      f"{self.description}[/bold]")
+        console.print(f"Why: {self.reason}")
+        table = Table(title="Measured live (interleaved rounds, slowest rank)")
+        for col, justify in (("plan", "left"), ("kind", "left"), ("ms/step", "right"), ("noise", "right"),
+                             ("predicted ms", "right"), ("vs fp32", "right")):
+            table.add_column(col, justify=justify)
+        fp32 = self.measured_s("fp32")
+        for m in sorted(self.measured, key=lambda m: m.median_s):
+            chosen = " <- chosen" if m.label == self.recommendation else ""
+            table.add_row(
+                (m.description or m.label) + chosen, m.kind, f"{m.median_s * 1e3:.1f}", f"±{m.noise:.1%}",
+                f"{m.predicted_s * 1e3:.1f}" if m.predicted_s else "-",
+                f"{fp32 / m.median_s:.2f}x" if fp32 else "-",
+            )
+        console.print(table)
+        s = self.speedup
+        console.print(
+            f"Speed-up of the advice: measured {s.get('measured_vs_fp32', float('nan')):.2f}x vs fp32, "
+            f"{s.get('measured_vs_16bit', float('nan')):.2f}x vs 16-bit; predicted "
+            f"{s.get('predicted_vs_fp32', float('nan')):.2f}x / {s.get('predicted_vs_16bit', float('nan')):.2f}x. "
+            f"Fidelity error {self.fidelity_error:.3g} (budget {self.fidelity_budget:.3g}"
+            + (f", the error of {self.reference} everywhere)" if self.reference else ")")
+        )
+        console.print(
+            f"Cost: profile {self.seconds.get('profile', 0):.1f} s, search {self.seconds.get('search', 0):.1f} s "
+            f"({self.policy}, {self.policy_evaluations} plans predicted), live measurement "
+            f"{self.seconds.get('measure', 0):.1f} s; total {self.seconds.get('total', 0):.1f} s"
+        )
+        if self.buckets:
+            render_buckets(self.buckets, console)
+
+
+def render_buckets(rows: list[BucketRow], console) -> None:
+    from rich.table import Table
+
+    table = Table(title="Per bucket (in the order backward produces them)")
+    for col in ("bucket", "params", "elements", "compressor", "encode ms", "comm ms", "decode ms", "wire KiB",
+                "fidelity err"):
+        table.add_column(col, justify="left" if col == "compressor" else "right")
+    for r in rows:
+        table.add_row(str(r.index), str(r.parameters), f"{r.numel:,}", r.config, f"{r.encode_s * 1e3:.2f}",
+                      f"{r.comm_s * 1e3:.2f}", f"{r.decode_s * 1e3:.2f}", f"{r.wire_bytes / 1024:.0f}",
+                      f"{r.fidelity_error:.3g}")
+    console.print(table)

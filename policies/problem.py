@@ -1,0 +1,202 @@
+"""The tuning problem every policy solves: one compressor config per DDP bucket.
+
+A :class:`TuningProblem` holds, for every bucket (rows) and candidate config (columns),
+what the performance model and the fidelity profile say: encode/comm/decode costs and the
+relative error the config leaves on that bucket's real gradients.  A plan is a vector of
+column indices, one per bucket (``choices``); many plans are a (plans x buckets) matrix,
+so policies evaluate thousands at once.
+
+The accuracy budget follows L-GreCo: a plan's error is the size-weighted mean of its
+buckets' errors, and it may not exceed the error of a known-safe uniform reference
+(by default PowerSGD rank 4 everywhere, the setting PowerSGD's authors found to keep
+accuracy), or an explicit number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from advisor.compressors.registry import parse
+from advisor.perfmodel import PerformanceModel, Scenario
+from advisor.perfmodel.model import CandidateCosts
+from advisor.runtime.plan import Plan
+
+#: configs that cost nothing in accuracy: the baselines a plan must beat
+UNCOMPRESSED = ("none",)
+SIXTEEN_BIT = ("fp16", "bf16")
+BASELINES = UNCOMPRESSED + SIXTEEN_BIT
+DEFAULT_REFERENCE = "powersgd(rank=4)"
+#: feasibility slack: errors are measured, their last digits are noise
+_TOLERANCE = 1e-9
+
+
+@dataclass
+class TuningProblem:
+    """Costs and errors of every candidate on every bucket, and the accuracy budget.
+
+    Build with :meth:`from_profile`.  ``budget`` bounds :meth:`fidelity_error`;
+    ``correction`` (a fitted :class:`policies.learned.ResidualModel`) adjusts the
+    performance model's predictions when set.
+    """
+
+    model: PerformanceModel
+    costs: CandidateCosts
+    errors: np.ndarray
+    weights: np.ndarray
+    budget: float
+    reference: str | None = None
+    correction: object | None = None
+    parameter_names: list[list[str]] = field(default_factory=list)
+
+    # --- construction ---------------------------------------------------------------
+    @classmethod
+    def from_profile(
+        cls,
+        profile,
+        candidates: Sequence[str] | None = None,
+        *,
+        budget: float | None = None,
+        reference: str | None = DEFAULT_REFERENCE,
+        scenario: Scenario | None = None,
+        overlap: float = 1.0,
+    ) -> "TuningProblem":
+        """Candidates default to the baselines plus every config the profile measured.
+
+        Every candidate needs a kernel cost in the profile and, unless it is lossless
+        (``none``), a fidelity entry for every bucket; the error names what is missing.
+        """
+        model = PerformanceModel(profile, scenario, overlap=overlap)
+        labels = _candidate_labels(profile, candidates)
+        costs = model.candidate_costs(labels)
+        errors = _error_matrix(profile, model, costs.configs)
+        numel = np.array([b.numel for b in model.buckets], dtype=np.float64)
+        weights = numel / numel.sum()
+        names = [list(b.parameters) for b in model.buckets]
+        problem = cls(model, costs, errors, weights, budget=0.0, reference=None, parameter_names=names)
+        if budget is None:
+            if reference is None:
+                raise ValueError("give an accuracy budget (budget=...) or a reference config (reference=...)")
+            ref = parse(reference).label
+            if ref not in costs.configs:
+                raise ValueError(
+                    f"reference config {ref!r} is not among the candidates {costs.configs}; add it, "
+                    "or give an explicit budget"
+                )
+            problem.budget = float(problem.fidelity_error(problem.uniform(ref))[0])
+            problem.reference = ref
+        else:
+            if not (np.isfinite(budget) and budget >= 0):
+                raise ValueError(f"budget={budget!r}; allowed: a finite relative error >= 0")
+            problem.budget = float(budget)
+        return problem
+
+    # --- plans as index vectors -----------------------------------------------------
+    @property
+    def n_buckets(self) -> int:
+        return self.errors.shape[0]
+
+    @property
+    def configs(self) -> list[str]:
+        return self.costs.configs
+
+    def index(self, config: str) -> int:
+        label = parse(config).label
+        try:
+            return self.costs.configs.index(label)
+        except ValueError:
+            raise ValueError(f"config {label!r} is not a candidate; candidates: {self.costs.configs}") from None
+
+    def uniform(self, config: str) -> np.ndarray:
+        """One plan (1 x buckets): ``config`` on every bucket."""
+        return np.full((1, self.n_buckets), self.index(config), dtype=np.int64)
+
+    def baselines(self) -> list[str]:
+        return [c for c in self.configs if c in BASELINES]
+
+    # --- evaluation -----------------------------------------------------------------
+    def predict(self, choices: np.ndarray) -> np.ndarray:
+        """Predicted iteration seconds per plan (corrected by the learned model if set)."""
+        choices = np.atleast_2d(choices)
+        seconds = self.model.predict_many(choices, self.costs)
+        if self.correction is not None:
+            from .learned import plan_features
+
+            seconds = self.correction.predict(plan_features(self, choices), seconds)
+        return seconds
+
+    def fidelity_error(self, choices: np.ndarray) -> np.ndarray:
+        """Size-weighted mean relative error per plan."""
+        choices = np.atleast_2d(choices)
+        rows = np.arange(self.n_buckets)[None, :]
+        return (self.errors[rows, choices] * self.weights[None, :]).sum(axis=1)
+
+    def feasible(self, choices: np.ndarray) -> np.ndarray:
+        return self.fidelity_error(choices) <= self.budget + _TOLERANCE
+
+    def plan(self, choices: np.ndarray, **kwargs) -> Plan:
+        """The runtime plan: each bucket's parameters get that bucket's config."""
+        choices = np.asarray(choices).reshape(-1)
+        if choices.shape[0] != self.n_buckets:
+            raise ValueError(f"a plan needs one choice per bucket ({self.n_buckets}), got {choices.shape[0]}")
+        assignments = {}
+        for names, c in zip(self.parameter_names, choices):
+            label = self.configs[int(c)]
+            if label != "none":
+                for name in names:
+                    assignments[name] = label
+        return Plan.from_assignments(assignments, **kwargs)
+
+    def choices_for(self, plan: Plan) -> np.ndarray:
+        """The index vector of ``plan`` (each bucket takes its first parameter's config)."""
+        out = np.zeros((1, self.n_buckets), dtype=np.int64)
+        for b, names in enumerate(self.parameter_names):
+            out[0, b] = self.index(plan.config_for(names[0]).label)
+        return out
+
+    def describe(self, choices: np.ndarray) -> str:
+        """``fp16 x3, topk(ratio=0.01) x2`` style summary of one plan."""
+        labels = [self.configs[int(c)] for c in np.asarray(choices).reshape(-1)]
+        counts: dict[str, int] = {}
+        for label in labels:
+            counts[label] = counts.get(label, 0) + 1
+        if len(counts) == 1:
+            return f"{labels[0]} everywhere"
+        return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def _candidate_labels(profile, candidates: Sequence[str] | None) -> list[str]:
+    if candidates is None:
+        measured = sorted(profile.kernels.costs) if profile.kernels is not None else []
+        labels = list(BASELINES) + [c for c in measured if c not in BASELINES]
+    else:
+        if not candidates:
+            raise ValueError("candidates is empty; give at least one config, e.g. ['none', 'fp16']")
+        labels = []
+        for c in candidates:
+            label = parse(c).label  # raises naming the bad config and the allowed ones
+            if label not in labels:
+                labels.append(label)
+        if "none" not in labels:
+            labels.insert(0, "none")  # the fp32 baseline is always a valid answer
+    return labels
+
+
+def _error_matrix(profile, model: PerformanceModel, labels: Sequence[str]) -> np.ndarray:
+    errors = np.full((len(model.buckets), len(labels)), np.nan)
+    by_key = {}
+    if profile.fidelity is not None:
+        by_key = {(e.bucket, e.config): e.relative_error for e in profile.fidelity.entries}
+    for j, label in enumerate(labels):
+        lossless = label == "none"
+        for i, bucket in enumerate(model.buckets):
+            value = 0.0 if lossless else by_key.get((bucket.index, label))
+            if value is None:
+                raise ValueError(
+                    f"the profile has no fidelity measurement of {label!r} on bucket {bucket.index}; "
+                    f"profile with it among the candidate configs (advisor profile --configs ...)"
+                )
+            errors[i, j] = value
+    return errors
