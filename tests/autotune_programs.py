@@ -1,0 +1,74 @@
+"""Programs the autotune tests run on every rank (module level, so spawn can import them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import advisor
+from advisor.workloads import Workload, _cross_entropy, synthetic_batches
+
+
+def medium_mlp() -> Workload:
+    """2.1M parameters in 3 buckets of ~2.8 MB: communication-bound at 1 Gbit/s, quick to profile."""
+    model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                          nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 10))
+    return Workload(model, _cross_entropy, synthetic_batches((32, 512), 10), name="mlp-2.1M")
+
+
+FAST = dict(trials=300, top=2, rounds=2, steps=3, warmup_steps=2)
+
+
+def tune_and_train(rank: int, world_size: int, kwargs: dict):
+    torch.manual_seed(0)
+    workload = medium_mlp()
+    ddp = DDP(workload.model, bucket_cap_mb=3)
+    opt = workload.optimizer()
+    before = {k: v.clone() for k, v in ddp.module.state_dict().items()}
+    result = advisor.autotune(ddp, workload.loss_fn, workload.batches, opt, **{**FAST, **kwargs})
+    unchanged = all(torch.equal(before[k], v) for k, v in ddp.module.state_dict().items())
+    momentum_empty = len(opt.state) == 0
+    # training goes on with whatever was installed
+    losses = []
+    for batch in list(workload.batches)[:4]:
+        opt.zero_grad()
+        loss = workload.loss_fn(ddp, batch)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    hook_steps = result.hook.step if result.hook is not None else None
+    if result.hook is not None:
+        result.hook.close()
+    result.hook = None
+    return {"result": result, "unchanged": unchanged and momentum_empty, "losses": losses, "hook_steps": hook_steps}
+
+
+def switch_plans(rank: int, world_size: int):
+    """Fixed weights and batch (same gradient g every step): 4 top-k steps, then plan none.
+
+    Returns the sum of applied gradients after the switch step and 5·g.
+    """
+    from advisor.runtime import Plan, install
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    ddp = DDP(model)
+    hook = install(ddp, Plan.uniform("topk(ratio=0.05)", warmup_steps=0))
+    x, y = torch.randn(16, 64), torch.randint(0, 4, (16,))
+    applied = [torch.zeros_like(p) for p in model.parameters()]
+    true = None
+    for step in range(5):
+        if step == 4:
+            hook.set_plan(Plan.uniform("none", warmup_steps=0), reason="test")
+        ddp.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        for a, p in zip(applied, model.parameters()):
+            a += p.grad
+    with ddp.no_sync():
+        ddp.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        true = [5 * p.grad.clone() for p in model.parameters()]
+    history = [reason for _, _, reason in hook.plan_history]
+    hook.close()
+    return applied, true, history
