@@ -50,6 +50,8 @@ MIXED = {
     "fc7.weight": "bf16",
     "head.weight": "powersgd(rank=1)",
     "fc7.bias": "intquant(bits=8)",
+    "fc6.bias": "intquant(bits=8, packed=0)",  # float16 carrier: gloo has no int16
+    "fc5.bias": "intquant(bits=4, packed=0)",  # int8 carrier
 }
 
 

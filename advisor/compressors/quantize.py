@@ -219,12 +219,28 @@ def headroom_bits(world_size: int) -> int:
     return max(0, math.ceil(math.log2(world_size))) if world_size > 1 else 0
 
 
+#: fp16 represents every integer of magnitude <= 2048 exactly, so sums of codes needing
+#: up to 12 bits (sign included) add exactly in it
+_FP16_EXACT_BITS = 12
+
+
 def summing_dtype(bits: int) -> torch.dtype:
-    """The narrowest signed integer type that holds a sum needing ``bits`` bits."""
-    for dtype in (torch.int8, torch.int16, torch.int32):
-        if bits <= torch.iinfo(dtype).bits:
-            return dtype
+    """The narrowest type in which sums needing ``bits`` bits (sign included) add exactly.
+
+    Neither gloo nor NCCL can all-reduce int16 ("Invalid scalar type"), so between int8
+    and int32 the carrier is float16, exact for integers up to 2048 in magnitude.
+    """
+    if bits <= 8:
+        return torch.int8
+    if bits <= _FP16_EXACT_BITS:
+        return torch.float16
+    if bits <= 32:
+        return torch.int32
     return torch.int64
+
+
+def _dtype_bits(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits if dtype.is_floating_point else torch.iinfo(dtype).bits
 
 
 class IntQuant(Compressor):
@@ -238,7 +254,7 @@ class IntQuant(Compressor):
       word; the sum of words is the word of sums.  Most compression (9.1 bits a value at
       8 bits on 2 ranks), most encode work.
     * ``packed=0``: one signed code per element of the narrowest integer type that holds
-      the sum (int8, int16, ...).  Less compression (16 bits a value at 8 bits on 2
+      the sum exactly (int8; float16, exact for integers up to 2048; int32).  Less compression (16 bits a value at 8 bits on 2
       ranks, 8 bits at 4 bits on up to 16), about three times cheaper to encode.
     """
 
@@ -263,7 +279,7 @@ class IntQuant(Compressor):
         if self.packed:
             second = lane_words(layout.numel, self.lane_bits(world_size)) * 8
         else:
-            second = layout.numel * torch.iinfo(summing_dtype(self.lane_bits(world_size))).bits // 8
+            second = layout.numel * _dtype_bits(summing_dtype(self.lane_bits(world_size))) // 8
         return [
             WireSpec(Collective.ALL_REDUCE_MAX, (chunks + 1) * 4),
             WireSpec(Collective.ALL_REDUCE_SUM, second),
