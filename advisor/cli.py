@@ -209,24 +209,127 @@ def whatif_cmd(profile_path, world_size, bandwidth, latency, speedup, as_json) -
 
 
 @main.command("demo")
-@click.option("--steps", default=20, show_default=True, help="Timed steps per plan.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def demo_cmd(steps: int, as_json: bool) -> None:
-    """Run plans side by side on a local 2-process cluster and print what is fastest."""
-    from .demo import as_dicts, demo_cluster_description, render, run_demo
+@click.option("--steps", default=5, show_default=True, help="Timed steps per plan and round of live measurement.")
+@click.option("--rounds", default=3, show_default=True, help="Interleaved rounds of live measurement.")
+@click.option("--json", "as_json", is_flag=True, help="Print the autotune result as JSON for scripts.")
+def demo_cmd(steps: int, rounds: int, as_json: bool) -> None:
+    """Autotune a bundled 5.3M-parameter MLP on a local 2-process cluster and print the advice."""
+    from .demo import demo_cluster_description, run_demo
 
-    if steps < 1:
-        raise click.UsageError(f"--steps={steps}; allowed: an integer >= 1")
+    if steps < 1 or rounds < 1:
+        fail(f"--steps={steps} --rounds={rounds}; allowed: integers >= 1")
     where = demo_cluster_description()
     if as_json:
-        click.echo(json.dumps({"cluster": where, "rows": as_dicts(run_demo(steps=steps))}, indent=2))
+        click.echo(run_demo(steps=steps, rounds=rounds).to_json())
         return
     from rich.console import Console
 
     console = Console()
-    with console.status(f"measuring plans on {where} ..."):
-        rows = run_demo(steps=steps)
-    render(rows, console, where)
+    with console.status(f"profiling, searching and measuring plans on {where} (about a minute) ..."):
+        result = run_demo(steps=steps, rounds=rounds)
+    result.render(console)
+
+
+@main.command("tune")
+@click.argument("profile_path", metavar="PROFILE")
+@click.option("--candidates", default=None, help="Comma-separated configs to choose from (default: all profiled).")
+@click.option("--budget", type=float, default=None, help="Largest size-weighted fidelity error (default: the reference's).")
+@click.option("--reference", default="powersgd(rank=4)", show_default=True, help="Known-safe config setting the budget.")
+@click.option("--policy", type=click.Choice(["optuna", "greedy"]), default="optuna", show_default=True)
+@click.option("--trials", default=2000, show_default=True, help="Optuna trials.")
+@click.option("--storage", default=None, help="Optuna storage URL (sqlite:///study.db) to resume a study.")
+@click.option("--world-size", type=int, default=None, help="Tune for this many workers (what-if).")
+@click.option("--bandwidth", default=None, help="Tune for this per-link rate, e.g. 10Gbit (what-if).")
+@click.option("--warmup-steps", default=10, show_default=True, help="Uncompressed steps at the start.")
+@click.option("--out", "out_path", default="plan.json", show_default=True, help="Where to write the plan.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def tune_cmd(profile_path, candidates, budget, reference, policy, trials, storage, world_size, bandwidth,
+             warmup_steps, out_path, as_json) -> None:
+    """Choose a plan from a saved profile (predicted; autotune also proves it live)."""
+    from policies.greedy import GreedyPolicy
+    from policies.optuna_search import OptunaPolicy
+    from policies.problem import TuningProblem
+    from profilers.profile import ClusterProfile
+
+    from .emulated import parse_rate
+    from .perfmodel import Scenario
+
+    try:
+        profile = ClusterProfile.load(profile_path)
+        scenario = Scenario(world_size=world_size,
+                            bandwidth_bps=parse_rate(bandwidth) if bandwidth is not None else None)
+        problem = TuningProblem.from_profile(profile, split_configs(candidates) if candidates else None,
+                                             budget=budget, reference=reference, scenario=scenario)
+        chosen = (OptunaPolicy(n_trials=trials, storage=storage, study_name="advisor-tune" if storage else None)
+                  if policy == "optuna" else GreedyPolicy())
+        if warmup_steps < 0:
+            raise ValueError(f"--warmup-steps={warmup_steps}; allowed: an integer >= 0")
+        if policy == "optuna":
+            from rich.console import Console
+
+            with Console(stderr=True).status(f"searching {trials} plans with Optuna ..."):
+                found = chosen.search(problem)
+        else:
+            found = chosen.search(problem)
+    except ValueError as exc:
+        fail(str(exc))
+    summary = tuning_summary(problem, found)
+    plan = problem.plan(found.choices, warmup_steps=warmup_steps,
+                        metadata={"advisor": "tune", "description": summary["description"],
+                                  "profile": str(profile_path)})
+    plan.save(out_path)
+    if as_json:
+        click.echo(json.dumps({**summary, "plan": plan.to_dict(), "plan_path": str(out_path)}, indent=2))
+        return
+    from rich.console import Console
+
+    console = Console()
+    render_tuning(summary, console)
+    console.print(f"plan written to {out_path}; prove it live with advisor.autotune(...) or `advisor demo`")
+
+
+def tuning_summary(problem, found) -> dict:
+    """Predicted times of the chosen plan and the baselines, per-bucket rows."""
+    import numpy as np
+
+    predicted = {c: float(problem.predict(problem.uniform(c))[0]) for c in problem.baselines()}
+    best_base = min(predicted, key=predicted.get)
+    chosen_s = float(found.predicted_s)
+    rows = []
+    costs = problem.costs
+    for b, c in enumerate(np.asarray(found.choices).reshape(-1)):
+        rows.append({"bucket": int(problem.model.buckets[b].index), "parameters": len(problem.parameter_names[b]),
+                     "numel": int(problem.model.buckets[b].numel), "config": problem.configs[int(c)],
+                     "encode_s": float(costs.encode_s[b, c]), "comm_s": float(costs.comm_s[b, c]),
+                     "decode_s": float(costs.decode_s[b, c]), "wire_bytes": int(costs.wire_bytes[b, c]),
+                     "fidelity_error": float(problem.errors[b, c])})
+    sixteen = [predicted[c] for c in ("fp16", "bf16") if c in predicted]
+    return {
+        "description": problem.describe(found.choices), "policy": found.policy,
+        "evaluations": int(found.evaluations), "search_s": found.seconds,
+        "predicted_s": chosen_s, "baselines_s": predicted, "best_baseline": best_base,
+        "speedup_vs_fp32": predicted["none"] / chosen_s,
+        "speedup_vs_16bit": (min(sixteen) / chosen_s) if sixteen else None,
+        "compute_only_s": problem.model.compute_only_s,
+        "fidelity_error": float(found.fidelity_error), "fidelity_budget": problem.budget,
+        "reference": problem.reference, "world_size": problem.model.world, "buckets": rows,
+    }
+
+
+def render_tuning(summary: dict, console) -> None:
+    from .report import BucketRow, render_buckets
+
+    s16 = summary["speedup_vs_16bit"]
+    console.print(f"[bold]Predicted best plan: {summary['description']}[/bold] "
+                  f"({summary['predicted_s'] * 1e3:.1f} ms/iteration at {summary['world_size']} workers; "
+                  f"compute-only floor {summary['compute_only_s'] * 1e3:.1f} ms)")
+    console.print(f"{summary['speedup_vs_fp32']:.2f}x vs fp32"
+                  + (f", {s16:.2f}x vs 16-bit" if s16 else "")
+                  + f"; fidelity error {summary['fidelity_error']:.3g} (budget {summary['fidelity_budget']:.3g}); "
+                  f"{summary['policy']}: {summary['evaluations']} plans in {summary['search_s']:.1f} s")
+    render_buckets([BucketRow(r["bucket"], r["parameters"], r["numel"], r["config"], r["encode_s"], r["comm_s"],
+                              r["decode_s"], r["wire_bytes"], r["fidelity_error"]) for r in summary["buckets"]],
+                   console)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -88,6 +88,10 @@ class AutotuneResult(VersionedDocument):
                 f"{fp32 / m.median_s:.2f}x" if fp32 else "-",
             )
         console.print(table)
+        floor = self.predicted_s.get("compute_only")
+        if floor:
+            console.print(f"Compute-only floor (backward with communication off, measured by the profiler): "
+                          f"{floor * 1e3:.1f} ms/step")
         s = self.speedup
         console.print(
             f"Speed-up of the advice: measured {s.get('measured_vs_fp32', float('nan')):.2f}x vs fp32, "

@@ -63,16 +63,65 @@ def test_profile_writes_a_profile_and_prints_json(runner, tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_measures_plans_side_by_side(runner):
-    result = runner.invoke(main, ["demo", "--steps", "3", "--json"])
+def test_demo_autotunes_and_prints_the_advice_as_json(runner):
+    result = runner.invoke(main, ["demo", "--steps", "2", "--rounds", "2", "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
-    assert data["cluster"]  # says where it ran: emulated network or loopback
-    rows = data["rows"]
-    labels = [r["label"] for r in rows]
-    assert labels[:2] == ["compute only (no communication)", "DDP, no hook"]
-    assert "powersgd(rank=4)" in labels
-    assert all(r["ms_per_step"] > 0 for r in rows)
+    assert data["kind"] == "compression-advisor/autotune-result"
+    assert data["where"]  # says where it ran: emulated network or loopback
+    kinds = {m["kind"] for m in data["measured"]}
+    assert {"fp32", "16-bit"} <= kinds
+    assert data["recommendation"] in {m["label"] for m in data["measured"]}
+    assert data["reason"]
+
+
+def test_demo_refuses_bad_numbers(runner):
+    result = runner.invoke(main, ["demo", "--steps", "0"])
+    assert result.exit_code == 2 and "--steps=0" in result.output
+
+
+def _tuning_profile_path(tmp_path, rate):
+    from constructed import tuning_profile
+
+    path = tmp_path / "profile.json"
+    tuning_profile(n_buckets=8, rate=rate).save(path)
+    return path
+
+
+def test_tune_writes_a_plan_that_compresses_on_a_slow_link(runner, tmp_path):
+    path = _tuning_profile_path(tmp_path, 1e8)
+    out = tmp_path / "plan.json"
+    result = runner.invoke(main, ["tune", str(path), "--trials", "200", "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["speedup_vs_fp32"] > 2 and data["fidelity_error"] <= data["fidelity_budget"] + 1e-9
+    from advisor.runtime import Plan
+
+    plan = Plan.load(out)
+    assert {plan.config_for(f"l{i}.weight").label for i in range(8)} != {"none"}
+    human = runner.invoke(main, ["tune", str(path), "--policy", "greedy", "--out", str(out)])
+    assert human.exit_code == 0 and "Predicted best plan" in human.output
+
+
+def test_tune_what_if_a_fast_network_says_do_nothing(runner, tmp_path):
+    path = _tuning_profile_path(tmp_path, 1e8)
+    result = runner.invoke(main, ["tune", str(path), "--bandwidth", "100gbit", "--policy", "greedy",
+                                  "--out", str(tmp_path / "p.json"), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["description"] == "none everywhere"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["tune", "missing.json"], "does not exist"),
+    (["tune", "{profile}", "--candidates", "zstd"], "unknown compressor"),
+    (["tune", "{profile}", "--budget", "-1"], "budget=-1"),
+    (["tune", "{profile}", "--reference", "signsgd"], "reference config 'signsgd'"),
+])
+def test_tune_bad_input_exits_2_with_one_line(runner, tmp_path, args, message):
+    path = _tuning_profile_path(tmp_path, 1e9)
+    result = runner.invoke(main, [a.replace("{profile}", str(path)) for a in args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and len(result.output.strip().splitlines()) == 1
 
 
 def _saved_profile(tmp_path, rate=1e9):
