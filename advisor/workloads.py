@@ -110,3 +110,38 @@ def tiny_lm() -> Workload:
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 2000, (16, 65), generator=g) for _ in range(8)]
     return Workload(_TinyLM(), _next_token_loss, batches, name="tiny-lm")
+
+
+class _DigitsNet(nn.Module):
+    """A small CNN for 8x8 digits (~0.3M parameters: convolutions, a wide hidden layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+            nn.MaxPool2d(2), nn.Flatten(),
+        )
+        self.classifier = nn.Sequential(nn.Linear(64 * 4 * 4, 256), nn.ReLU(), nn.Linear(256, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x.view(-1, 1, 8, 8)))
+
+
+def digits_data(seed: int = 0, test_fraction: float = 0.25):
+    """scikit-learn's digits (ships with it: no download), scaled to [0, 1], split once."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    data = load_digits()
+    x = torch.tensor(data.data / 16.0, dtype=torch.float32)
+    y = torch.tensor(data.target, dtype=torch.long)
+    idx_train, idx_test = train_test_split(range(len(y)), test_size=test_fraction, random_state=seed,
+                                           stratify=data.target)
+    return x[idx_train], y[idx_train], x[idx_test], y[idx_test]
+
+
+def digits() -> Workload:
+    """The digits CNN with batches of 32 real training images (for profiling and tuning)."""
+    x, y, _, _ = digits_data()
+    batches = [(x[i : i + 32], y[i : i + 32]) for i in range(0, 256, 32)]
+    return Workload(_DigitsNet(), _cross_entropy, batches, name="digits-cnn")
