@@ -6,6 +6,7 @@ from .runtime import CompressionHook, Plan, PlanGroup, install
 __version__ = "0.1.0"
 
 from .autotune import autotune, autotune_model  # noqa: E402  (needs __version__ for profiles)
+from .online import OnlineTuner, wrap  # noqa: E402
 
 __all__ = [
     "CompressionHook",
@@ -15,6 +16,8 @@ __all__ = [
     "__version__",
     "autotune",
     "autotune_model",
+    "OnlineTuner",
+    "wrap",
     "available",
     "build",
     "install",

@@ -36,7 +36,7 @@ def tune_and_train(rank: int, world_size: int, kwargs: dict):
         loss = workload.loss_fn(ddp, batch)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     hook_steps = result.hook.step if result.hook is not None else None
     if result.hook is not None:
         result.hook.close()
@@ -72,3 +72,34 @@ def switch_plans(rank: int, world_size: int):
     history = [reason for _, _, reason in hook.plan_history]
     hook.close()
     return applied, true, history
+
+
+def online_loop(rank: int, world_size: int, steps: int, kwargs: dict):
+    """The user's loop, unchanged, under advisor.wrap."""
+    from advisor.runtime import Plan
+
+    torch.manual_seed(0)
+    workload = medium_mlp()
+    ddp = DDP(workload.model, bucket_cap_mb=3)
+    opt = workload.optimizer()
+    if "plan" in kwargs:
+        kwargs = {**kwargs, "plan": Plan.from_dict(kwargs["plan"])}
+    tuner = advisor.wrap(ddp, opt, **kwargs)
+    batches = list(workload.batches)
+    losses = []
+    for i in range(steps):
+        x, y = batches[i % len(batches)]
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+        if i % 7 == 0:
+            ddp.eval()
+            with torch.no_grad():
+                ddp(x)  # evaluation passes do not count as steps
+            ddp.train()
+    out = {"phase": tuner.phase, "events": [(e.step, e.what, e.detail) for e in tuner.events],
+           "digest": tuner.plan.digest(), "plan": tuner.plan.to_dict(), "losses": losses, "steps": tuner.step}
+    tuner.close()
+    return out

@@ -55,3 +55,32 @@ def test_switching_to_an_uncompressed_plan_delivers_the_residual():
     for a, t in zip(applied, true):
         torch.testing.assert_close(a, t, rtol=1e-5, atol=1e-6)
     assert history == ["installed", "test"]
+
+
+def test_wrap_tunes_inside_the_users_loop_and_every_rank_lands_on_the_same_plan():
+    from autotune_programs import online_loop
+
+    out = launch_local(online_loop, 2, (40, {"observe_steps": 5, "trial_steps": 3, "top": 1, "trials": 200}),
+                       timeout=300)
+    assert out[0]["digest"] == out[1]["digest"]
+    assert out[0]["phase"] == "watch"
+    whats = [w for _, w, _ in out[0]["events"]]
+    assert whats[:2] == ["profiled", "decided"]
+    assert out[0]["steps"] == 40  # evaluation passes were not counted
+    assert all(math.isfinite(x) for x in out[0]["losses"])
+
+
+def test_a_watched_plan_backs_off_when_the_compression_gain_drops():
+    from autotune_programs import online_loop
+    from advisor.runtime import Plan
+
+    plan = Plan.uniform("topk(ratio=0.01)", warmup_steps=0).to_dict()
+    # backoff=10: any gain is "below 10x the reference", so every watch backs off one level
+    out = launch_local(online_loop, 2, (12, {"plan": plan, "watch_every": 3, "backoff": 10.0,
+                                             "candidates": ["none", "fp16", "topk(ratio=0.01)", "topk(ratio=0.1)"]}),
+                       timeout=300)
+    assert out[0]["digest"] == out[1]["digest"]
+    backoffs = [d for _, w, d in out[0]["events"] if w == "back-off"]
+    assert backoffs and "topk(ratio=0.01) -> topk(ratio=0.1)" in backoffs[0]
+    final = Plan.from_dict(out[0]["plan"])
+    assert final.config_for("0.weight").label in {"topk(ratio=0.1)", "fp16", "none"}

@@ -56,6 +56,10 @@ class CompressionHook:
         self._pending: dict[str, torch.Tensor] = {}
         #: (step, plan digest, reason) for every plan this hook has run
         self.plan_history: list[tuple[int, str, str]] = [(0, plan.digest(), "installed")]
+        #: callables ``(layout, local_gradient, config)`` shown each segment before it is
+        #: exchanged (profilers and the online tuner watch gradients this way); they must
+        #: copy what they keep
+        self.observers: list = []
         channel = ProcessGroupChannel(group) if self.world_size > 1 else LocalChannel()
         self.channel = channel
         self._executor = OrderedExecutor(channel, threaded=self.world_size > 1)
@@ -105,6 +109,8 @@ class CompressionHook:
             grad = buffer[offset : offset + layout.numel]
             if self._pending:
                 self._deliver_pending(layout, grad)
+            for observe in self.observers:
+                observe(layout, grad, config)
             exchanges.append(
                 guarded_exchange(
                     compressor, grad, layout, self._compressor_state, residuals, ctx, self._count_nonfinite
