@@ -173,7 +173,7 @@ def autotune(
         if choices.tobytes() in seen:
             continue
         seen.add(choices.tobytes())
-        label = f"candidate {len(seen) - len(choices_of)}"
+        label = f"candidate {sum(k == CANDIDATE for k in kinds.values()) + 1}"
         choices_of[label] = choices
         plans[label] = problem.plan(choices, warmup_steps=0)
         kinds[label], described[label] = CANDIDATE, problem.describe(choices)
@@ -209,6 +209,7 @@ def autotune(
                      profile, where, {"profile": t_profiled - t_start, "search": t_searched - t_profiled,
                                       "measure": t_measured - t_searched,
                                       "total": time.perf_counter() - t_start})
+    result.searched_top = [problem.describe(c) for c in found.top(top)]
     result.hook = hook  # not part of the JSON document
     return result
 

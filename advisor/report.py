@@ -54,6 +54,8 @@ class AutotuneResult(VersionedDocument):
     world_size: int
     where: str
     buckets: list[BucketRow] = field(default_factory=list)
+    #: the policy's best distinct plans, best first (the top ones are measured live)
+    searched_top: list[str] = field(default_factory=list)
     kind: str = RESULT_KIND
     version: int = RESULT_VERSION
 
