@@ -21,6 +21,8 @@ few batches::
 from __future__ import annotations
 
 import logging
+import os
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from policies.base import Policy
 from policies.do_no_harm import CANDIDATE, FP32, SIXTEEN_BIT, LiveMeasurement, decide
 from policies.greedy import GreedyPolicy
+from policies.learned import MeasurementSet, plan_features
 from policies.optuna_search import OptunaPolicy
 from policies.problem import DEFAULT_REFERENCE, TuningProblem
 
@@ -95,6 +98,7 @@ def autotune(
     warmup_steps: int = 10,
     min_gain: float = 0.0,
     residual_model=None,
+    measurements_path: str | None = None,
     profile=None,
     install_plan: bool = True,
     group=None,
@@ -108,7 +112,9 @@ def autotune(
     choose per bucket (``none`` is always one).  ``budget``: the largest size-weighted
     fidelity error allowed (default: that of ``reference`` everywhere).  ``top``: how many
     of the best predicted plans are measured live.  ``residual_model``: a fitted
-    :class:`policies.learned.ResidualModel` that corrects predictions when ranking.
+    :class:`policies.learned.ResidualModel` that corrects predictions when ranking, or the
+    path of a measurement set to fit one from; ``measurements_path``: append this run's live
+    measurements (with their model features) to that measurement set file.
     ``warmup_steps``: uncompressed steps at the start of the installed plan.  Returns an
     :class:`AutotuneResult`; ``result.hook`` is the installed hook (None when the advice is
     native fp32).
@@ -148,6 +154,8 @@ def autotune(
     # --- 2. search (rank 0) ---------------------------------------------------------
     problem = TuningProblem.from_profile(profile, labels, budget=budget, reference=reference)
     if residual_model is not None:
+        if isinstance(residual_model, (str, os.PathLike)):
+            residual_model = MeasurementSet.load(residual_model).fit()
         problem.correction = residual_model
     found = None
     if _rank(group) == 0:
@@ -210,6 +218,9 @@ def autotune(
                                       "measure": t_measured - t_searched,
                                       "total": time.perf_counter() - t_start})
     result.searched_top = [problem.describe(c) for c in found.top(top)]
+    result.measurements = _measurements(problem, choices_of, described, rounds_s, result.where)
+    if measurements_path is not None and _rank(group) == 0:
+        _append_measurements(measurements_path, result.measurements)
     result.hook = hook  # not part of the JSON document
     return result
 
@@ -286,3 +297,19 @@ def autotune_model(spec: str, nproc: int = 2, *, rate: str | None = None, timeou
     with EmulatedCluster(hosts=nproc, rate=rate) as cluster:
         kwargs.setdefault("where", f"emulated cluster: {cluster.describe()}")
         return cluster.run(_autotune_rank, (spec, kwargs), timeout=timeout)[0]
+
+
+def _measurements(problem, choices_of, described, rounds_s, where):
+    """Model features, uncorrected prediction and measured median of every live plan."""
+    data = MeasurementSet()
+    for label, rounds in rounds_s.items():
+        choices = choices_of[label][None, :]
+        predicted = float(problem.model.predict_many(choices, problem.costs)[0])
+        data.add(where, described[label], plan_features(problem, choices)[0], predicted, statistics.median(rounds))
+    return data.measurements
+
+
+def _append_measurements(path, measurements) -> None:
+    data = MeasurementSet.load(path) if os.path.exists(path) else MeasurementSet()
+    data.measurements.extend(measurements)
+    data.save(path)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from policies.do_no_harm import LiveMeasurement
+from policies.learned import Measurement
 
 from .runtime.plan import Plan
 from .schema import VersionedDocument
@@ -56,6 +57,8 @@ class AutotuneResult(VersionedDocument):
     buckets: list[BucketRow] = field(default_factory=list)
     #: the policy's best distinct plans, best first (the top ones are measured live)
     searched_top: list[str] = field(default_factory=list)
+    #: every live-measured plan with its model features: data for the learned correction
+    measurements: list[Measurement] = field(default_factory=list)
     kind: str = RESULT_KIND
     version: int = RESULT_VERSION
 

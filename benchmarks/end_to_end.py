@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -38,12 +39,13 @@ def _fresh(spec: str, **ddp_kwargs):
     return workload, DDP(workload.model, **ddp_kwargs)
 
 
-def _rank(rank: int, world: int, spec: str, rounds: int, steps: int, warmup: int):
+def _rank(rank: int, world: int, spec: str, rounds: int, steps: int, warmup: int, measurements: str | None):
     workload, tuned = _fresh(spec)
     batches = list(workload.batches)
     opt = workload.optimizer()
     t0 = time.perf_counter()
-    result = advisor.autotune(tuned, workload.loss_fn, batches, opt, trials=1000)
+    result = advisor.autotune(tuned, workload.loss_fn, batches, opt, trials=1000, measurements_path=measurements,
+                              where=f"{spec.split(':')[1]} x{world} @ {os.environ.get('ADVISOR_RATE', '?')}")
     tune_s = time.perf_counter() - t0
     # past the installed plan's uncompressed warm-up steps before anything is timed
     timed_steps(tuned, workload.loss_fn, batches, opt, 1, result.plan_object().warmup_steps)
@@ -88,6 +90,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--measurements", help="append autotune's live measurements to this measurement set "
+                        "(data for benchmarks/learned_residual.py)")
     args = parser.parse_args(argv)
     reason = unavailable_reason()
     if reason:
@@ -98,8 +102,10 @@ def main(argv=None) -> int:
         for rate_name in args.rates.split(","):
             rate = None if rate_name == "unshaped" else rate_name
             for spec in args.models.split(","):
+                os.environ["ADVISOR_RATE"] = rate_name  # inherited by the ranks: names the measurement context
                 with EmulatedCluster(hosts=world, rate=rate) as cluster:
-                    out = cluster.run(_rank, (spec, args.rounds, args.steps, args.warmup), timeout=3000)
+                    out = cluster.run(_rank, (spec, args.rounds, args.steps, args.warmup, args.measurements),
+                                      timeout=3000)
                 t = out[0]["times"]
                 res = out[0]["result"]
                 best_psgd = min(t["PyTorch PowerSGD r1 (1 bucket)"], t["PyTorch PowerSGD r4 (1 bucket)"])

@@ -13,8 +13,9 @@ from advisor.report import AutotuneResult
 from autotune_programs import tune_and_train
 
 
-def test_autotune_on_loopback_agrees_on_every_rank_and_leaves_the_model_untouched():
-    out = launch_local(tune_and_train, 2, ({},), timeout=300)
+def test_autotune_on_loopback_agrees_on_every_rank_and_leaves_the_model_untouched(tmp_path):
+    log = tmp_path / "measurements.json"
+    out = launch_local(tune_and_train, 2, ({"measurements_path": str(log)},), timeout=300)
     results = [o["result"] for o in out]
     assert results[0].recommendation == results[1].recommendation
     assert results[0].plan == results[1].plan
@@ -32,6 +33,12 @@ def test_autotune_on_loopback_agrees_on_every_rank_and_leaves_the_model_untouche
     assert r.fidelity_error <= r.fidelity_budget + 1e-9
     assert (out[0]["hook_steps"] is None) == (r.recommendation == "fp32")
     assert all(math.isfinite(x) for o in out for x in o["losses"])
+    # its live measurements were appended, with features, for the learned correction
+    from policies.learned import MeasurementSet
+
+    data = MeasurementSet.load(log)
+    assert [m.plan for m in data.measurements] == [m.description for m in r.measured]
+    assert data.fit().predict(data.arrays()[0], data.arrays()[1]).shape == (len(r.measured),)
     again = AutotuneResult.from_json(r.to_json())
     assert again.recommendation == r.recommendation and again.measured == r.measured
 
