@@ -21,6 +21,7 @@ few batches::
 from __future__ import annotations
 
 import logging
+import math
 import os
 import statistics
 import time
@@ -95,6 +96,7 @@ def autotune(
     top: int = 3,
     rounds: int = 3,
     steps: int = 5,
+    measure_s: float = 1.0,
     warmup_steps: int = 10,
     min_gain: float = 0.0,
     residual_model=None,
@@ -111,7 +113,8 @@ def autotune(
     profilers and the live runs cycle through them).  ``candidates``: configs the policy may
     choose per bucket (``none`` is always one).  ``budget``: the largest size-weighted
     fidelity error allowed (default: that of ``reference`` everywhere).  ``top``: how many
-    of the best predicted plans are measured live.  ``residual_model``: a fitted
+    of the best predicted plans are measured live, in ``rounds`` interleaved rounds of up to
+    ``steps`` steps (fewer for slow plans: about ``measure_s`` seconds a plan and round).  ``residual_model``: a fitted
     :class:`policies.learned.ResidualModel` that corrects predictions when ranking, or the
     path of a measurement set to fit one from; ``measurements_path``: append this run's live
     measurements (with their model features) to that measurement set file.
@@ -133,6 +136,8 @@ def autotune(
         _check_int(name, value, minimum)
     if not 0 <= min_gain < 1:
         raise ValueError(f"min_gain={min_gain!r}; allowed: 0 <= min_gain < 1")
+    if not measure_s > 0:
+        raise ValueError(f"measure_s={measure_s!r}; allowed: > 0 seconds")
     batches = list(batches)
     if not batches:
         raise ValueError("autotune needs at least one batch")
@@ -145,7 +150,8 @@ def autotune(
 
         say("profiling compute, network, compressor kernels and fidelity")
         profile = profile_cluster(ddp_model, loss_fn, batches, optimizer,
-                                  configs=[c for c in labels if c != "none"], group=group, note=where)
+                                  configs=[c for c in labels if c != "none"], group=group, note=where,
+                                  network_budget_s=15.0)
     from profilers.profile import ClusterProfile
 
     profile = ClusterProfile.from_dict(_broadcast(profile.to_dict(), group))  # one profile for all ranks
@@ -186,8 +192,12 @@ def autotune(
         plans[label] = problem.plan(choices, warmup_steps=0)
         kinds[label], described[label] = CANDIDATE, problem.describe(choices)
         predicted[label] = float(problem.predict(choices[None, :])[0])
+    # a slow plan is measured with fewer steps: about measure_s of steps per plan and round
+    # (at least 2), so a slow baseline on a slow link does not dominate the tuning time
+    plan_steps = {label: max(2, min(steps, math.ceil(measure_s / max(predicted[label], 1e-6))))
+                  for label in ["fp32", *plans]}
     say(f"measuring {len(plans) + 1} plans live, {rounds} interleaved rounds")
-    rounds_s = measure_plans(ddp_model, loss_fn, batches, optimizer, plans, rounds=rounds, steps=steps,
+    rounds_s = measure_plans(ddp_model, loss_fn, batches, optimizer, plans, rounds=rounds, steps=plan_steps,
                              group=group, progress=say)
     measured = [LiveMeasurement(label, kinds[label], rounds_s[label], predicted[label], described[label])
                 for label in rounds_s]

@@ -97,24 +97,30 @@ def measure_plans(
     *,
     native: bool = True,
     rounds: int = 3,
-    steps: int = 5,
+    steps: int | Mapping[str, int] = 5,
     warmup: int = 2,
     group=None,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, list[float]]:
     """Per label (``"fp32"`` for native DDP, then ``plans``' keys): each round's median step time.
 
-    The user's model and optimizer end exactly as they started.
+    ``steps``: timed steps per round, or per label (slow plans need fewer steps to be
+    measured well, and cost the most cluster time).  The user's model and optimizer end
+    exactly as they started.
     """
     batches = list(batches)
     if not batches:
         raise ValueError("measuring plans needs at least one batch")
-    for name, value in (("rounds", rounds), ("steps", steps)):
-        if not isinstance(value, int) or value < 1:
+    labels = (["fp32"] if native else []) + list(plans)
+    per_label = dict(steps) if isinstance(steps, Mapping) else {label: steps for label in labels}
+    for name, value in [("rounds", rounds)] + [(f"steps[{k}]", v) for k, v in per_label.items()]:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}; allowed: an integer >= 1")
+    missing = [label for label in labels if label not in per_label]
+    if missing:
+        raise ValueError(f"steps names no count for {missing}")
     shadow, shadow_opt = shadow_of(ddp, optimizer)
     hook: CompressionHook | None = None
-    labels = (["fp32"] if native else []) + list(plans)
     result: dict[str, list[float]] = {label: [] for label in labels}
     try:
         first = next(iter(plans.values()), None)
@@ -126,11 +132,13 @@ def measure_plans(
                 for label in labels:
                     if progress is not None:
                         progress(f"round {r + 1}/{rounds}: {label}")
+                    # later rounds only need one step to settle under a new plan
+                    settle = warmup if r == 0 else min(warmup, 1)
                     if label == "fp32":
-                        local.append(timed_steps(ddp, loss_fn, batches, optimizer, steps, warmup))
+                        local.append(timed_steps(ddp, loss_fn, batches, optimizer, per_label[label], settle))
                         continue
                     hook.set_plan(plans[label], reason=f"live measurement of {label}", verify=False)
-                    local.append(timed_steps(shadow, loss_fn, batches, shadow_opt, steps, warmup))
+                    local.append(timed_steps(shadow, loss_fn, batches, shadow_opt, per_label[label], settle))
                 for label, seconds in zip(labels, slowest(local, group)):
                     result[label].append(seconds)
     finally:

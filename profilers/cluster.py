@@ -76,6 +76,7 @@ def profile_cluster(
     kernels: bool = True,
     fidelity: bool = True,
     fidelity_steps: int = 6,
+    network_budget_s: float = 25.0,
     group=None,
     note: str = "",
 ) -> ClusterProfile:
@@ -85,7 +86,7 @@ def profile_cluster(
     batches = list(batches) if not isinstance(batches, list) else batches
     environment = _environment(ddp, group, note)
     compute = profile_compute(ddp, loss_fn, batches, optimizer, steps=steps, warmup=warmup, group=group)
-    net = profile_network(group=group) if network else None
+    net = profile_network(group=group, budget_s=network_budget_s) if network else None
     layouts: list[SegmentLayout] = [bucket_layout(b, ddp) for b in compute.buckets]
     kern = None
     if kernels:
