@@ -332,5 +332,121 @@ def render_tuning(summary: dict, console) -> None:
                    console)
 
 
+def _read_json(path: str) -> dict:
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"file {path!r} does not exist")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return data
+
+
+@main.command("report")
+@click.argument("path", metavar="PLAN|PROFILE|RESULT")
+@click.option("--profile", "profile_path", default=None, help="The cluster profile to predict a PLAN on.")
+@click.option("--png", default=None, help="Also write the predicted timeline of a PLAN as a PNG.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def report_cmd(path, profile_path, png, as_json) -> None:
+    """Explain a plan (per bucket, predicted on a profile), a profile, or an autotune result."""
+    from profilers.profile import ClusterProfile
+
+    from .report import AutotuneResult
+    from .runtime import Plan
+
+    try:
+        data = _read_json(path)
+        kind = data.get("kind", "")
+        if kind == "compression-advisor/autotune-result":
+            result = AutotuneResult.from_dict(data)
+            if as_json:
+                click.echo(result.to_json())
+            else:
+                from rich.console import Console
+
+                result.render(Console())
+            return
+        if kind == "compression-advisor/cluster-profile":
+            profile = ClusterProfile.from_dict(data)
+            if as_json:
+                click.echo(profile.to_json())
+            else:
+                from .reports import render_profile
+
+                render_profile(profile)
+            return
+        if "groups" in data or "default" in data:
+            plan = Plan.from_dict(data)
+            if profile_path is None:
+                raise ValueError("a plan is reported against a cluster profile: add --profile PROFILE")
+            profile = ClusterProfile.load(profile_path)
+            plan.check_against(p.name for p in profile.compute.parameters)
+            import io
+
+            from rich.console import Console
+
+            from .reports import render_plan
+
+            # with --json the tables go nowhere: stdout carries the JSON only
+            console = Console(file=io.StringIO()) if as_json else Console()
+            summary = render_plan(plan, profile, console, png)
+            if as_json:
+                click.echo(json.dumps(summary, indent=2))
+            return
+        raise ValueError(f"{path} is not a plan, a cluster profile or an autotune result (kind {kind!r})")
+    except ValueError as exc:
+        fail(str(exc))
+
+
+@main.command("validate")
+@click.option("--plan", "plan_path", default=None, help="Plan for the digits CNN (default: tune one).")
+@click.option("--bandwidth", default="100mbit", show_default=True,
+              help="Without --plan: tune for links of this rate (what-if) on a real local profile.")
+@click.option("--epochs", default=12, show_default=True)
+@click.option("--nproc", default=2, show_default=True)
+@click.option("--png", default=None, help="Write loss/accuracy curves here.")
+@click.option("--out", "out_path", default=None, help="Write the validation report JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def validate_cmd(plan_path, bandwidth, epochs, nproc, png, out_path, as_json) -> None:
+    """Accuracy A/B on scikit-learn's digits: fp32 vs a plan, same seed; curves and time to accuracy."""
+    from .emulated import parse_rate
+    from .runtime.plan import as_plan
+    from .validate import tuned_digits_plan, validate_accuracy
+
+    from rich.console import Console
+
+    status = Console(stderr=True)
+    try:
+        if epochs < 1 or nproc < 1:
+            raise ValueError(f"--epochs={epochs} --nproc={nproc}; allowed: integers >= 1")
+        if plan_path is not None:
+            plan = as_plan(plan_path)
+        else:
+            parse_rate(bandwidth)
+            with status.status(f"profiling digits on {nproc} ranks and tuning for {bandwidth} ..."):
+                plan = tuned_digits_plan(bandwidth, world_size=nproc)
+        with status.status(f"training fp32 and the plan for {epochs} epochs each ..."):
+            report = validate_accuracy(plan, world_size=nproc, epochs=epochs)
+    except ValueError as exc:
+        fail(str(exc))
+    if out_path:
+        report.save(out_path)
+    if png:
+        report.save_png(png)
+    if as_json:
+        click.echo(report.to_json())
+        return
+    console = Console()
+    report.render(console)
+    verdict = "PASS" if abs(report.accuracy_gap) <= 1.0 else "FAIL"
+    console.print(f"{verdict}: the plan's final accuracy is within 1 point of fp32's" if verdict == "PASS"
+                  else f"{verdict}: the plan lost {report.accuracy_gap:.1f} points against fp32")
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

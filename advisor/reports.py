@@ -55,3 +55,79 @@ def render_profile(profile, console: Console | None = None) -> None:
             fid.add_row(label, *[f"{per_bucket[b.index][0]:.3f} / {per_bucket[b.index][1]:.2f}"
                                  for b in comp.buckets if b.index in per_bucket])
         console.print(fid)
+
+
+def timeline_bars(timeline, width: int = 64) -> list[str]:
+    """A text timeline of backward: one line for backward, one per bucket.
+
+    ``=`` backward compute, ``e`` encode, ``.`` waiting for the channel, ``#`` on the wire,
+    ``d`` decode; the scale runs from the start of backward to the end of the last decode.
+    """
+    end = max([timeline.backward_end_s] + [b.decode_end_s for b in timeline.buckets]) or 1e-9
+
+    def col(t: float) -> int:
+        return max(0, min(width, round(t / end * width)))
+
+    lines = ["backward  |" + "=" * col(timeline.backward_end_s) + " " * (width - col(timeline.backward_end_s)) + "|"]
+    for b in timeline.buckets:
+        row = [" "] * width
+        for start, stop, ch in ((b.encode_start_s, b.encode_end_s, "e"), (b.encode_end_s, b.comm_start_s, "."),
+                                (b.comm_start_s, b.comm_end_s, "#"), (b.comm_end_s, b.decode_end_s, "d")):
+            a, z = col(start), col(stop)
+            if z == a and stop > start:
+                z = min(width, a + 1)
+            for i in range(a, z):
+                row[i] = ch
+        lines.append(f"bucket {b.bucket:<3d}|" + "".join(row) + f"| {b.config}")
+    lines.append(f"          0{'':{width - 12}}{end * 1e3:8.1f} ms")
+    return lines
+
+
+def render_plan(plan, profile, console: Console | None = None, png: str | None = None) -> dict:
+    """Per-bucket predictions of ``plan`` on ``profile``, next to the fp32 and 16-bit baselines."""
+    from advisor.perfmodel import PerformanceModel
+    from advisor.runtime import Plan
+
+    console = console or Console()
+    model = PerformanceModel(profile)
+    timeline = model.predict(plan)
+    base = {c: model.predict(Plan.uniform(c, warmup_steps=0)).iteration_s for c in ("none", "fp16", "bf16")
+            if c == "none" or (profile.kernels is not None and c in profile.kernels.costs)}
+    sixteen = min((base[c] for c in ("fp16", "bf16") if c in base), default=None)
+    fidelity = {}
+    if profile.fidelity is not None:
+        fidelity = {(e.bucket, e.config): e.relative_error for e in profile.fidelity.entries}
+    table = Table(title=f"Plan {plan.digest()} on {profile.environment.world_size} ranks ({profile.environment.note})")
+    for c in ("bucket", "params", "elements", "compressor", "encode ms", "wait ms", "comm ms", "decode ms",
+              "wire KiB", "fidelity err"):
+        table.add_column(c, justify="left" if c == "compressor" else "right")
+    rows = []
+    for span, bucket in zip(timeline.buckets, model.buckets):
+        err = fidelity.get((bucket.index, span.config), 0.0 if span.config == "none" else None)
+        rows.append({"bucket": bucket.index, "parameters": len(bucket.parameters), "numel": bucket.numel,
+                     "config": span.config, "encode_s": span.encode_end_s - span.encode_start_s,
+                     "wait_s": span.wait_s, "comm_s": span.comm_end_s - span.comm_start_s,
+                     "decode_s": span.decode_end_s - span.comm_end_s, "wire_bytes": span.wire_bytes,
+                     "fidelity_error": err})
+        r = rows[-1]
+        table.add_row(str(r["bucket"]), str(r["parameters"]), f"{r['numel']:,}", r["config"],
+                      f"{r['encode_s'] * 1e3:.2f}", f"{r['wait_s'] * 1e3:.2f}", f"{r['comm_s'] * 1e3:.2f}",
+                      f"{r['decode_s'] * 1e3:.2f}", f"{r['wire_bytes'] / 1024:.0f}",
+                      f"{err:.3g}" if err is not None else "not profiled")
+    summary = {"plan_digest": plan.digest(), "predicted_s": timeline.iteration_s,
+               "compute_only_s": timeline.compute_only_s, "baselines_s": base,
+               "speedup_vs_fp32": base["none"] / timeline.iteration_s,
+               "speedup_vs_16bit": sixteen / timeline.iteration_s if sixteen else None, "buckets": rows,
+               "measured": plan.metadata.get("measured")}
+    console.print(table)
+    console.print(f"Predicted {timeline.iteration_s * 1e3:.1f} ms/iteration (compute-only floor "
+                  f"{timeline.compute_only_s * 1e3:.1f} ms): {summary['speedup_vs_fp32']:.2f}x vs fp32"
+                  + (f", {summary['speedup_vs_16bit']:.2f}x vs 16-bit" if sixteen else "") + ".")
+    for line in timeline_bars(timeline):
+        console.print(line, markup=False, highlight=False)
+    console.print("= backward  e encode  . wait for the channel  # on the wire  d decode", markup=False,
+                  highlight=False)
+    if png:
+        timeline.save_png(png)
+        console.print(f"timeline plot written to {png}")
+    return summary

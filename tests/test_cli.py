@@ -164,3 +164,70 @@ def test_whatif_refuses_bad_input_with_exit_code_2(runner, tmp_path, args, reaso
     result = runner.invoke(main, ["whatif", *[a.replace("{p}", str(path)) for a in args]])
     assert result.exit_code == 2
     assert reason in result.output
+
+
+def test_report_explains_a_plan_per_bucket_with_a_timeline(runner, tmp_path):
+    path = _tuning_profile_path(tmp_path, 1e8)
+    plan_path = tmp_path / "plan.json"
+    assert runner.invoke(main, ["tune", str(path), "--policy", "greedy", "--out", str(plan_path)]).exit_code == 0
+    result = runner.invoke(main, ["report", str(plan_path), "--profile", str(path), "--png", str(tmp_path / "t.png")])
+    assert result.exit_code == 0, result.output
+    assert "bucket 0" in result.output and "# on the wire" in result.output and "vs fp32" in result.output
+    assert (tmp_path / "t.png").exists()
+    data = json.loads(runner.invoke(main, ["report", str(plan_path), "--profile", str(path), "--json"]).output)
+    assert len(data["buckets"]) == 8 and data["speedup_vs_fp32"] > 1
+
+
+def test_report_renders_a_profile(runner, tmp_path):
+    path = _tuning_profile_path(tmp_path, 1e9)
+    result = runner.invoke(main, ["report", str(path)])
+    assert result.exit_code == 0 and "Cluster profile" in result.output
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "does not exist"),
+    ("{not json", "not valid JSON"),
+    ('{"kind": "something-else"}', "is not a plan, a cluster profile or an autotune result"),
+    ('{"kind": "compression-advisor/plan", "version": 1, "groups": [], "default": {"name": "zstd"}}', "unknown compressor"),
+])
+def test_report_bad_input_exits_2_with_one_line(runner, tmp_path, content, message):
+    path = tmp_path / "x.json"
+    if content is not None:
+        path.write_text(content)
+    result = runner.invoke(main, ["report", str(path)])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_report_of_a_plan_needs_a_profile_of_the_same_model(runner, tmp_path):
+    path = _tuning_profile_path(tmp_path, 1e9)
+    plan = tmp_path / "plan.json"
+    from advisor.runtime import Plan
+
+    Plan.from_assignments({"encoder.weight": "fp16"}).save(plan)
+    assert "add --profile" in runner.invoke(main, ["report", str(plan)]).output
+    result = runner.invoke(main, ["report", str(plan), "--profile", str(path)])
+    assert result.exit_code == 2 and "missing from the model" in result.output
+
+
+@pytest.mark.slow
+def test_validate_trains_fp32_and_a_plan_on_digits(runner, tmp_path):
+    from advisor.runtime import Plan
+
+    plan = tmp_path / "plan.json"
+    Plan.uniform("powersgd(rank=4)", warmup_steps=5).save(plan)
+    result = runner.invoke(main, ["validate", "--plan", str(plan), "--epochs", "3", "--json",
+                                  "--png", str(tmp_path / "c.png")])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert len(data["baseline"]["accuracy"]) == 3 and len(data["compressed"]["accuracy"]) == 3
+    assert (tmp_path / "c.png").exists()
+
+
+def test_validate_refuses_a_plan_for_another_model(runner, tmp_path):
+    plan = tmp_path / "plan.json"
+    from advisor.runtime import Plan
+
+    Plan.from_assignments({"encoder.weight": "fp16"}).save(plan)
+    result = runner.invoke(main, ["validate", "--plan", str(plan)])
+    assert result.exit_code == 2 and "missing from the model" in result.output
