@@ -448,5 +448,58 @@ def validate_cmd(plan_path, bandwidth, epochs, nproc, png, out_path, as_json) ->
                   else f"{verdict}: the plan lost {report.accuracy_gap:.1f} points against fp32")
 
 
+@main.command("bench")
+@click.option("--ranks", default="2,4", show_default=True, help="World sizes, comma-separated.")
+@click.option("--rates", default="100mbit,1gbit,unshaped", show_default=True,
+              help="Link rates (emulated cluster, root); 'unshaped' is loopback speed.")
+@click.option("--models", default=None, help="Workload factories, comma-separated (default: MLP, CNN, tiny LM).")
+@click.option("--rounds", default=3, show_default=True)
+@click.option("--steps", default=4, show_default=True)
+@click.option("--measurements", default=None, help="Append autotune's live measurements to this file.")
+@click.option("--out", "out_path", default=None, help="Write the rows as JSON here (after every row).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def bench_cmd(ranks, rates, models, rounds, steps, measurements, out_path, as_json) -> None:
+    """The end-to-end benchmark: the advisor's plan vs DDP fp32 and PyTorch's fp16 and PowerSGD hooks."""
+    from .bench import MODELS, render_row, run_benchmark
+    from .emulated import parse_rate
+    from .workloads import load_factory
+
+    try:
+        world_sizes = [int(x) for x in ranks.split(",")]
+        if any(w < 1 for w in world_sizes):
+            raise ValueError(f"--ranks={ranks!r}; allowed: integers >= 1")
+        rate_list = [r.strip() for r in rates.split(",") if r.strip()]
+        for r in rate_list:
+            if r != "unshaped":
+                parse_rate(r)
+        specs = [m.strip() for m in models.split(",")] if models else list(MODELS)
+        for spec in specs:
+            load_factory(spec)
+        if rounds < 1 or steps < 1:
+            raise ValueError(f"--rounds={rounds} --steps={steps}; allowed: integers >= 1")
+    except ValueError as exc:
+        fail(str(exc) if "invalid literal" not in str(exc) else f"--ranks={ranks!r}; write e.g. 2,4")
+    from rich.console import Console
+
+    console = Console(stderr=as_json)
+    rows: list = []
+
+    def on_row(row):
+        rows.append(row)
+        if out_path:
+            with open(out_path, "w") as fh:
+                json.dump(rows, fh, indent=1)
+        if not as_json:
+            render_row(row, console)
+
+    try:
+        run_benchmark(world_sizes, rate_list, specs, rounds=rounds, steps=steps, measurements=measurements,
+                      on_row=on_row)
+    except ValueError as exc:
+        fail(str(exc))
+    if as_json:
+        click.echo(json.dumps(rows, indent=1))
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

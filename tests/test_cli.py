@@ -231,3 +231,25 @@ def test_validate_refuses_a_plan_for_another_model(runner, tmp_path):
     Plan.from_assignments({"encoder.weight": "fp16"}).save(plan)
     result = runner.invoke(main, ["validate", "--plan", str(plan)])
     assert result.exit_code == 2 and "missing from the model" in result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bench", "--ranks", "two"], "--ranks='two'"),
+    (["bench", "--rates", "fast"], "cannot read rate"),
+    (["bench", "--models", "nosuch.module:f"], "does not import"),
+])
+def test_bench_bad_input_exits_2_with_one_line(runner, args, message):
+    result = runner.invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_bench_measures_the_advisor_next_to_pytorchs_hooks(runner, tmp_path):
+    result = runner.invoke(main, ["bench", "--ranks", "2", "--rates", "unshaped", "--models",
+                                  "autotune_programs:medium_mlp", "--rounds", "1", "--steps", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.output)[0]
+    assert set(row["times_s"]) == {"compute only", "DDP fp32", "PyTorch fp16 hook", "PyTorch PowerSGD r1 (1 bucket)",
+                                   "PyTorch PowerSGD r4 (1 bucket)", "advisor plan"}
+    assert row["result"]["kind"] == "compression-advisor/autotune-result"

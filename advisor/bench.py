@@ -1,0 +1,138 @@
+"""The end-to-end benchmark: the advisor's plan against PyTorch's own hooks, side by side.
+
+For each world size, link rate and model, in one job on an emulated cluster (root and
+iproute2; loopback ranks otherwise, with only the unshaped rate): autotune runs (its wall
+time on the cluster is reported), then these are measured in interleaved rounds on the
+same ranks: the compute-only floor (backward with communication off), DDP fp32, PyTorch's
+``fp16_compress_hook``, PyTorch's PowerSGD hook with the whole model in one bucket (its
+multi-bucket form aborts on gloo: BACKGROUND.md section 3) at rank 1 and rank 4, and the
+advisor's installed plan (timed past its warm-up).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .live import slowest, timed_steps
+from .workloads import build_workload
+
+MODELS = ("advisor.workloads:mlp", "advisor.workloads:small_cnn", "advisor.workloads:tiny_lm")
+RATES = ("100mbit", "1gbit", "unshaped")
+SETTINGS = ("compute only", "DDP fp32", "PyTorch fp16 hook", "PyTorch PowerSGD r1 (1 bucket)",
+            "PyTorch PowerSGD r4 (1 bucket)", "advisor plan")
+
+
+def _fresh(spec: str, **ddp_kwargs):
+    workload = build_workload(spec)
+    return workload, DDP(workload.model, **ddp_kwargs)
+
+
+def bench_rank(rank: int, world: int, spec: str, rounds: int, steps: int, warmup: int,
+               measurements: str | None, where: str, autotune_kwargs: dict):
+    import advisor
+
+    workload, tuned = _fresh(spec)
+    batches = list(workload.batches)
+    opt = workload.optimizer()
+    t0 = time.perf_counter()
+    result = advisor.autotune(tuned, workload.loss_fn, batches, opt, measurements_path=measurements, where=where,
+                              **autotune_kwargs)
+    tune_s = time.perf_counter() - t0
+    # past the installed plan's uncompressed warm-up before anything is timed
+    timed_steps(tuned, workload.loss_fn, batches, opt, 1, result.plan_object().warmup_steps)
+    settings = {"advisor plan": (tuned, opt)}
+    _, plain = _fresh(spec)
+    settings["DDP fp32"] = (plain, None)
+    _, fp16 = _fresh(spec)
+    fp16.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    settings["PyTorch fp16 hook"] = (fp16, None)
+    for r in (1, 4):
+        _, psgd = _fresh(spec, bucket_cap_mb=10_000)  # one bucket: the multi-bucket form fails on gloo
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=r, start_powerSGD_iter=2)
+        psgd.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        timed_steps(psgd, workload.loss_fn, batches, None, 1, 3)  # past PowerSGD's own warm-up
+        settings[f"PyTorch PowerSGD r{r} (1 bucket)"] = (psgd, None)
+    for name, (model, o) in settings.items():
+        if o is None:
+            settings[name] = (model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    times: dict[str, list[float]] = {name: [] for name in ["compute only", *settings]}
+    for _ in range(rounds):
+        local = []
+        with plain.no_sync():
+            local.append(timed_steps(plain, workload.loss_fn, batches, settings["DDP fp32"][1], steps, warmup))
+        for model, o in settings.values():
+            local.append(timed_steps(model, workload.loss_fn, batches, o, steps, warmup))
+        for name, t in zip(times, slowest(local)):
+            times[name].append(t)
+    if result.hook is not None:
+        result.hook.close()
+    result.hook = None
+    return {"times": {k: statistics.median(v) for k, v in times.items()}, "rounds": times,
+            "tune_s": tune_s, "result": result.to_dict() if rank == 0 else None}
+
+
+def run_benchmark(ranks: Sequence[int] = (2, 4), rates: Sequence[str] = RATES, models: Sequence[str] = MODELS,
+                  rounds: int = 3, steps: int = 4, warmup: int = 2, measurements: str | None = None,
+                  on_row: Callable[[dict], None] | None = None, autotune_kwargs: dict | None = None) -> list[dict]:
+    """One row per (world size, rate, model); ``on_row`` sees each as soon as it is measured."""
+    from .emulated import EmulatedCluster, unavailable_reason
+    from .launch import launch_local
+
+    emulated = unavailable_reason() is None
+    rows = []
+    for world in ranks:
+        for rate_name in rates:
+            rate = None if rate_name == "unshaped" else rate_name
+            if rate is not None and not emulated:
+                raise ValueError(f"rate {rate_name!r} needs the emulated cluster, but {unavailable_reason()}")
+            for spec in models:
+                where = f"{spec.split(':')[-1]} x{world} @ {rate_name}"
+                args = (spec, rounds, steps, warmup, measurements, where, dict(autotune_kwargs or {"trials": 1000}))
+                if emulated:
+                    with EmulatedCluster(hosts=world, rate=rate) as cluster:
+                        out = cluster.run(bench_rank, args, timeout=3000)
+                else:
+                    out = launch_local(bench_rank, world, args, timeout=3000)
+                t = out[0]["times"]
+                res = out[0]["result"]
+                best_psgd = min(t["PyTorch PowerSGD r1 (1 bucket)"], t["PyTorch PowerSGD r4 (1 bucket)"])
+                best_base = min(t["DDP fp32"], t["PyTorch fp16 hook"])
+                row = {"ranks": world, "rate": rate_name, "model": spec.split(":")[-1], "times_s": t,
+                       "rounds_s": out[0]["rounds"], "tune_s": max(o["tune_s"] for o in out),
+                       "advice": res["description"], "compress": res["compress"], "reason": res["reason"],
+                       "vs_fp16_hook": t["PyTorch fp16 hook"] / t["advisor plan"],
+                       "vs_best_powersgd": best_psgd / t["advisor plan"],
+                       "vs_best_baseline": best_base / t["advisor plan"], "result": res}
+                rows.append(row)
+                if on_row is not None:
+                    on_row(row)
+    return rows
+
+
+def render_row(row: dict, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    t = row["times_s"]
+    table = Table(title=f"{row['ranks']} ranks @ {row['rate']}, {row['model']}: advice {row['advice']} "
+                        f"(autotune {row['tune_s']:.0f} s)")
+    table.add_column("setting")
+    table.add_column("ms/step", justify="right")
+    table.add_column("vs DDP fp32", justify="right")
+    for name, s in sorted(t.items(), key=lambda kv: kv[1]):
+        table.add_row(name, f"{s * 1e3:.1f}", f"{t['DDP fp32'] / s:.2f}x")
+    console.print(table)
+    console.print(f"advisor plan vs PyTorch fp16 hook {row['vs_fp16_hook']:.2f}x, vs best PyTorch PowerSGD "
+                  f"{row['vs_best_powersgd']:.2f}x, vs best baseline {row['vs_best_baseline']:.2f}x")
+
+
+def environment_rate() -> str:
+    return os.environ.get("ADVISOR_RATE", "?")
