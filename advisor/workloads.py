@@ -7,6 +7,8 @@ A factory is a zero-argument callable returning a :class:`Workload`.  Every rank
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +39,9 @@ def load_factory(spec: str) -> Callable[[], Workload]:
     if not isinstance(spec, str) or spec.count(":") != 1:
         raise ValueError(f"model factory {spec!r}: write it as 'package.module:function'")
     module_name, attr = spec.split(":")
+    # like ``python -m``: the user's own modules, run from their project directory
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # the user's module may fail in any way while importing

@@ -1,0 +1,1 @@
+"""Examples: run them from the repository root (see README)."""
