@@ -350,7 +350,8 @@ def _read_json(path: str) -> dict:
 @main.command("report")
 @click.argument("path", metavar="PLAN|PROFILE|RESULT")
 @click.option("--profile", "profile_path", default=None, help="The cluster profile to predict a PLAN on.")
-@click.option("--png", default=None, help="Also write the predicted timeline of a PLAN as a PNG.")
+@click.option("--png", default=None,
+              help="Also write a PNG: a PLAN's predicted timeline, or a RESULT's measured vs predicted times.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def report_cmd(path, profile_path, png, as_json) -> None:
     """Explain a plan (per bucket, predicted on a profile), a profile, or an autotune result."""
@@ -364,6 +365,8 @@ def report_cmd(path, profile_path, png, as_json) -> None:
         kind = data.get("kind", "")
         if kind == "compression-advisor/autotune-result":
             result = AutotuneResult.from_dict(data)
+            if png:
+                result.save_png(png)
             if as_json:
                 click.echo(result.to_json())
             else:

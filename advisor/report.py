@@ -62,6 +62,10 @@ class AutotuneResult(VersionedDocument):
     kind: str = RESULT_KIND
     version: int = RESULT_VERSION
 
+    def save_png(self, path) -> None:
+        """Measured vs predicted step time of every plan measured live."""
+        save_measured_vs_predicted_png(self, path)
+
     def plan_object(self) -> Plan:
         return Plan.from_dict(self.plan)
 
@@ -112,6 +116,34 @@ class AutotuneResult(VersionedDocument):
         )
         if self.buckets:
             render_buckets(self.buckets, console)
+
+
+def save_measured_vs_predicted_png(result: "AutotuneResult", path) -> None:
+    """Bars of each live-measured plan: measured (with its round spread) next to predicted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows = sorted(result.measured, key=lambda m: m.median_s)
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 4))
+    measured = [m.median_s * 1e3 for m in rows]
+    spread = [[(m.median_s - min(m.round_s)) * 1e3 for m in rows], [(max(m.round_s) - m.median_s) * 1e3 for m in rows]]
+    ax.bar(x - 0.2, measured, 0.4, yerr=spread, capsize=3, label="measured (median, round range)")
+    ax.bar(x + 0.2, [(m.predicted_s or 0) * 1e3 for m in rows], 0.4, label="predicted")
+    floor = result.predicted_s.get("compute_only")
+    if floor:
+        ax.axhline(floor * 1e3, color="grey", ls=":", lw=1, label="compute-only floor")
+    ax.set_xticks(x, [("* " if m.label == result.recommendation else "") + (m.description or m.label)
+                      for m in rows], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("ms per step")
+    ax.set_title(f"{result.where}: measured vs predicted (* = advice)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def render_buckets(rows: list[BucketRow], console) -> None:

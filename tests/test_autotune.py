@@ -41,6 +41,13 @@ def test_autotune_on_loopback_agrees_on_every_rank_and_leaves_the_model_untouche
     assert data.fit().predict(data.arrays()[0], data.arrays()[1]).shape == (len(r.measured),)
     again = AutotuneResult.from_json(r.to_json())
     assert again.recommendation == r.recommendation and again.measured == r.measured
+    (tmp_path / "result.json").write_text(r.to_json())
+    from click.testing import CliRunner
+
+    from advisor.cli import main
+
+    shown = CliRunner().invoke(main, ["report", str(tmp_path / "result.json"), "--png", str(tmp_path / "m.png")])
+    assert shown.exit_code == 0 and "Why:" in shown.output and (tmp_path / "m.png").exists()
 
 
 @pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
