@@ -62,8 +62,13 @@ class StateGuard:
 
 
 def timed_steps(model, loss_fn: LossFn, batches: Sequence[Any], optimizer, steps: int, warmup: int,
-                start: int = 0) -> float:
-    """Median seconds of ``steps`` full training steps after ``warmup`` untimed ones."""
+                start: int = 0, finite: list | None = None) -> float:
+    """Median seconds of ``steps`` full training steps after ``warmup`` untimed ones.
+
+    A non-finite loss raises, unless ``finite`` is given: then ``False`` is appended to it
+    and the caller decides (with the other ranks: raising on one rank only would leave the
+    others waiting in a collective).
+    """
     times = []
     for i in range(warmup + steps):
         batch = batches[(start + i) % len(batches)]
@@ -74,7 +79,9 @@ def timed_steps(model, loss_fn: LossFn, batches: Sequence[Any], optimizer, steps
         if optimizer is not None:
             optimizer.step()
         if not torch.isfinite(loss.detach()).all():
-            raise FloatingPointError(f"loss became {float(loss)} while measuring; the plan or the model diverges")
+            if finite is None:
+                raise FloatingPointError(f"loss became {float(loss)} while measuring; the plan or the model diverges")
+            finite.append(False)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
@@ -128,18 +135,30 @@ def measure_plans(
             hook = install(shadow, first, group=group)
         with StateGuard(ddp.module, optimizer):
             for r in range(rounds):
-                local = []
+                local, bad = [], []
                 for label in labels:
                     if progress is not None:
                         progress(f"round {r + 1}/{rounds}: {label}")
                     # later rounds only need one step to settle under a new plan
                     settle = warmup if r == 0 else min(warmup, 1)
+                    finite: list[bool] = []
                     if label == "fp32":
-                        local.append(timed_steps(ddp, loss_fn, batches, optimizer, per_label[label], settle))
-                        continue
-                    hook.set_plan(plans[label], reason=f"live measurement of {label}", verify=False)
-                    local.append(timed_steps(shadow, loss_fn, batches, shadow_opt, per_label[label], settle))
-                for label, seconds in zip(labels, slowest(local, group)):
+                        local.append(timed_steps(ddp, loss_fn, batches, optimizer, per_label[label], settle,
+                                                 finite=finite))
+                    else:
+                        hook.set_plan(plans[label], reason=f"live measurement of {label}", verify=False)
+                        local.append(timed_steps(shadow, loss_fn, batches, shadow_opt, per_label[label], settle,
+                                                 finite=finite))
+                    bad.append(0.0 if all(finite) else 1.0)
+                # one collective carries every rank's times and non-finite flags
+                merged = slowest(local + bad, group)
+                diverged = [label for label, flag in zip(labels, merged[len(labels):]) if flag > 0]
+                if diverged:
+                    raise FloatingPointError(
+                        f"the loss became NaN/Inf on some rank while measuring {', '.join(diverged)}; the model "
+                        "and optimizer are restored. Check the batches and learning rate (a plan whose loss "
+                        "diverges is unusable)")
+                for label, seconds in zip(labels, merged[: len(labels)]):
                     result[label].append(seconds)
     finally:
         if hook is not None:

@@ -103,3 +103,25 @@ def online_loop(rank: int, world_size: int, steps: int, kwargs: dict):
            "digest": tuner.plan.digest(), "plan": tuner.plan.to_dict(), "losses": losses, "steps": tuner.step}
     tuner.close()
     return out
+
+
+def nan_on_rank_one(rank: int, world_size: int):
+    """Rank 1's batches make the loss NaN: every rank must raise, none may hang."""
+    from advisor.live import measure_plans
+    from advisor.runtime import Plan
+
+    torch.manual_seed(0)
+    workload = medium_mlp()
+    ddp = DDP(workload.model)
+    opt = workload.optimizer()
+    before = {k: v.clone() for k, v in ddp.module.state_dict().items()}
+    batches = list(workload.batches)
+    if rank == 1:
+        batches = [(torch.full_like(x, float("nan")), y) for x, y in batches]
+    try:
+        measure_plans(ddp, workload.loss_fn, batches, opt, {"fp16": Plan.uniform("fp16", warmup_steps=0)},
+                      rounds=1, steps=2, warmup=1)
+    except FloatingPointError as exc:
+        restored = all(torch.equal(before[k], v) for k, v in ddp.module.state_dict().items())
+        return {"error": str(exc), "restored": restored}
+    return {"error": None}

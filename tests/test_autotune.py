@@ -102,3 +102,12 @@ def test_a_watched_plan_backs_off_when_the_compression_gain_drops():
     assert backoffs and "topk(ratio=0.01) -> topk(ratio=0.1)" in backoffs[0]
     final = Plan.from_dict(out[0]["plan"])
     assert final.config_for("0.weight").label in {"topk(ratio=0.1)", "fp16", "none"}
+
+
+def test_a_nan_loss_on_one_rank_stops_every_rank_with_the_state_restored():
+    from autotune_programs import nan_on_rank_one
+
+    out = launch_local(nan_on_rank_one, 2, timeout=120)
+    for o in out:
+        assert o["error"] and "NaN/Inf" in o["error"] and "fp32" in o["error"]
+        assert o["restored"]
