@@ -39,6 +39,10 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PYTHON) benchmarks/compressors.py
 	$(PYTHON) benchmarks/hook_overhead.py
+	$(PYTHON) benchmarks/perfmodel_speed.py
+	$(PYTHON) benchmarks/policy_speed.py
+	$(VENV)/bin/advisor bench --out bench.json --measurements measurements.json
+	$(PYTHON) benchmarks/learned_residual.py measurements.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
