@@ -3,9 +3,10 @@
 The top candidates are measured live next to the baselines (fp32, 16-bit) in interleaved
 rounds; each round gives one median step time per plan (slowest rank).  The spread of a
 plan's round medians is its measured noise.  A compressed plan is recommended only when
-its median beats the best baseline's by more than the larger of the two noises (and
-``min_gain``); otherwise the best baseline is, with the reason.  The same rule decides
-between fp32 and 16-bit: 16-bit must beat fp32 by more than the noise.
+its median beats the best baseline's by more than the sum of the two noises (each
+estimate may be off by its own noise, in opposite directions) and ``min_gain``;
+otherwise the best baseline is, with the reason.  The same rule decides between fp32 and
+16-bit: 16-bit must beat fp32 by more than the noise.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def decide(measurements: list[LiveMeasurement], min_gain: float = 0.0) -> Decisi
     base = min(fp32, key=lambda m: m.median_s)
     why_base = f"{base.label} is the baseline"
     for m in sorted((m for m in measurements if m.kind == SIXTEEN_BIT), key=lambda m: m.median_s):
-        margin = max(base.noise, m.noise, min_gain)
+        margin = max(base.noise + m.noise, min_gain)
         if m.median_s < base.median_s * (1 - margin):
             why_base = (f"{m.label} beats {base.label} by {1 - m.median_s / base.median_s:.1%} "
                         f"(noise {margin:.1%})")
@@ -80,7 +81,7 @@ def decide(measurements: list[LiveMeasurement], min_gain: float = 0.0) -> Decisi
         return Decision(base.label, base.kind, False, base.label, None, 0.0, 1.0,
                         f"no compressed candidate was measured; {why_base}", ranking)
     best = min(candidates, key=lambda m: m.median_s)
-    margin = max(base.noise, best.noise, min_gain)
+    margin = max(base.noise + best.noise, min_gain)
     gain = base.median_s / best.median_s
     if best.median_s < base.median_s * (1 - margin):
         reason = (f"{best.description or best.label} measured {best.median_s * 1e3:.1f} ms/step vs "
