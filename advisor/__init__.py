@@ -5,8 +5,17 @@ from .runtime import CompressionHook, Plan, PlanGroup, install
 
 __version__ = "0.1.0"
 
-from .autotune import autotune, autotune_model  # noqa: E402  (needs __version__ for profiles)
-from .online import OnlineTuner, wrap  # noqa: E402
+_LAZY = {"autotune": "autotune", "autotune_model": "autotune", "OnlineTuner": "online", "wrap": "online"}
+
+
+def __getattr__(name):
+    # autotune and wrap pull in the policies, which import advisor's submodules: loading
+    # them on first use keeps `import policies...` free of an import cycle
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'advisor' has no attribute {name!r}")
 
 __all__ = [
     "CompressionHook",
