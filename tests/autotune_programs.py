@@ -125,3 +125,19 @@ def nan_on_rank_one(rank: int, world_size: int):
         restored = all(torch.equal(before[k], v) for k, v in ddp.module.state_dict().items())
         return {"error": str(exc), "restored": restored}
     return {"error": None}
+
+
+def bad_wrap_arguments(rank: int, world_size: int):
+    """Each bad argument raises ValueError naming it, and leaves the model without a hook."""
+    from advisor.runtime import Plan
+
+    ddp = DDP(medium_mlp().model)
+    messages = []
+    for kwargs in ({"observe_steps": 1}, {"backoff": 0}, {"candidates": ["zstd"]}, {"trial_steps": 0}):
+        try:
+            advisor.wrap(ddp, **kwargs)
+        except ValueError as exc:
+            messages.append(str(exc))
+    hook = advisor.install(ddp, Plan.uniform("fp16"))  # still possible: nothing was registered
+    hook.close()
+    return messages

@@ -111,3 +111,17 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_with_the_state_restored():
     for o in out:
         assert o["error"] and "NaN/Inf" in o["error"] and "fp32" in o["error"]
         assert o["restored"]
+
+
+def test_wrap_refuses_bad_arguments_before_installing_anything():
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        advisor.wrap(nn.Linear(2, 2))
+
+
+def test_wrap_names_each_bad_argument_and_registers_nothing():
+    from autotune_programs import bad_wrap_arguments
+
+    messages = launch_local(bad_wrap_arguments, 1, timeout=60)[0]
+    assert len(messages) == 4
+    assert "observe_steps=1" in messages[0] and "backoff=0" in messages[1]
+    assert "unknown compressor 'zstd'" in messages[2] and "trial_steps=0" in messages[3]
