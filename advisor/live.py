@@ -134,13 +134,17 @@ def measure_plans(
         if first is not None:
             hook = install(shadow, first, group=group)
         with StateGuard(ddp.module, optimizer):
+            used: set[str] = set()
             for r in range(rounds):
                 local, bad = [], []
                 for label in labels:
                     if progress is not None:
                         progress(f"round {r + 1}/{rounds}: {label}")
-                    # later rounds only need one step to settle under a new plan
-                    settle = warmup if r == 0 else min(warmup, 1)
+                    # a model's first steps include DDP's bucket rebuild: ``warmup`` steps the
+                    # first time each model runs; afterwards one step settles a new plan
+                    which = "native" if label == "fp32" else "shadow"
+                    settle = warmup if which not in used else min(warmup, 1)
+                    used.add(which)
                     finite: list[bool] = []
                     if label == "fp32":
                         local.append(timed_steps(ddp, loss_fn, batches, optimizer, per_label[label], settle,
