@@ -186,7 +186,12 @@ def autotune(
         choices_of[c] = problem.uniform(c)[0]
         predicted[c] = float(problem.predict(problem.uniform(c))[0])
     seen = {v.tobytes() for v in choices_of.values()} | {problem.uniform(c)[0].tobytes() for c in sixteen}
-    for choices in found.top(top):
+    # for diversity, the fastest feasible uniform compressed plan joins the search's top plans:
+    # neighbours of one plan tend to share the model's blind spots
+    uniform = [problem.uniform(c)[0] for c in problem.configs if c not in ("none", "fp16", "bf16")]
+    uniform = [u for u in uniform if problem.feasible(u[None, :])[0]]
+    extra = [min(uniform, key=lambda u: float(problem.predict(u[None, :])[0]))] if uniform else []
+    for choices in found.top(top) + extra:
         if choices.tobytes() in seen:
             continue
         seen.add(choices.tobytes())

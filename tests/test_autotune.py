@@ -26,7 +26,9 @@ def test_autotune_on_loopback_agrees_on_every_rank_and_leaves_the_model_untouche
     # every distinct top plan that is not a uniform baseline is measured, under its own label
     measured = [m.description for m in r.measured if m.kind == "candidate"]
     expected = [d for d in r.searched_top if d not in ("none everywhere", "fp16 everywhere", "bf16 everywhere")]
-    assert measured == expected and len({m.label for m in r.measured}) == len(r.measured)
+    assert measured[: len(expected)] == expected and len({m.label for m in r.measured}) == len(r.measured)
+    # plus at most one uniform compressed plan, for diversity
+    assert len(measured) - len(expected) <= 1 and all(d.endswith("everywhere") for d in measured[len(expected):])
     # never slower than the strongest baseline it measured, beyond the noise it measured
     best_baseline = min(m.median_s for m in r.measured if m.kind != "candidate")
     assert r.measured_s(r.recommendation) <= best_baseline * (1 + max(m.noise for m in r.measured))
