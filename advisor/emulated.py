@@ -22,7 +22,9 @@ import atexit
 import os
 import re
 import shutil
+import signal
 import subprocess
+import threading
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -111,6 +113,7 @@ class EmulatedCluster:
         if reason:
             raise RuntimeError(reason)
         atexit.register(self.close)
+        self._catch_sigterm()
         try:
             self._build()
         except BaseException:
@@ -155,8 +158,22 @@ class EmulatedCluster:
             self._shape(self.interface, ns)
             self._shape(peer, self.switch)
 
+    def _catch_sigterm(self) -> None:
+        # atexit does not run when the process is terminated by a signal; turning SIGTERM
+        # into SystemExit unwinds the ``with`` block, so the namespaces are removed.
+        self._previous_sigterm = None
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            def terminate(signum, frame):
+                raise SystemExit(128 + signum)
+
+            self._previous_sigterm = signal.signal(signal.SIGTERM, terminate)
+
     def close(self) -> None:
         """Remove every namespace this cluster made (idempotent)."""
+        if getattr(self, "_previous_sigterm", None) is not None:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
         if not self._up:
             return
         for ns in [self.host(i) for i in range(self.hosts)] + [self.switch]:

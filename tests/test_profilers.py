@@ -23,6 +23,11 @@ def our_namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.startswith("adv")]
 
 
+def names_of(cluster) -> set[str]:
+    # only this cluster's namespaces: other jobs on the machine may have their own
+    return {cluster.switch, *(cluster.host(i) for i in range(cluster.hosts))}
+
+
 @needs_testbed
 @pytest.mark.parametrize("hosts", [2, 4])
 @pytest.mark.parametrize("rate", ["100mbit", "1gbit"])
@@ -32,15 +37,16 @@ def test_fitted_all_reduce_bandwidth_is_within_15_percent_of_the_shaped_rate(hos
     fit = network.fits["all_reduce"]
     assert fit.bandwidth_bps == pytest.approx(parse_rate(rate), rel=0.15)
     assert fit.r2 > 0.95
-    assert our_namespaces() == []
+    assert not set(our_namespaces()) & names_of(cluster)
 
 
 @needs_testbed
 def test_namespaces_are_removed_even_when_a_rank_fails():
     with pytest.raises(RankFailed, match="rank 1 failed"):
         with EmulatedCluster(hosts=2, rate="1gbit") as cluster:
+            assert names_of(cluster) <= set(our_namespaces())
             cluster.run(pp_fail, timeout=60)
-    assert our_namespaces() == []
+    assert not set(our_namespaces()) & names_of(cluster)
 
 
 def pp_fail(rank, world_size):
@@ -109,3 +115,25 @@ def test_a_whole_profile_at_1_gbit_fits_in_a_minute_and_round_trips(tmp_path):
     from profilers.profile import ClusterProfile
 
     assert ClusterProfile.load(path) == profile
+
+
+@needs_testbed
+def test_a_terminated_job_still_removes_its_namespaces():
+    import signal
+    import sys
+    import time
+
+    script = (
+        "import time\n"
+        "from advisor.emulated import EmulatedCluster\n"
+        "with EmulatedCluster(hosts=2, rate='1gbit') as c:\n"
+        "    print(c.switch, flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    switch = proc.stdout.readline().strip()
+    assert switch in our_namespaces()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    time.sleep(0.2)
+    assert switch not in our_namespaces()
