@@ -302,19 +302,15 @@ def autotune_model(spec: str, nproc: int = 2, *, rate: str | None = None, timeou
     ``rate`` (e.g. ``"1gbit"``) runs on an emulated cluster with links of that rate (root
     and iproute2); otherwise local processes over loopback.
     """
-    from .launch import launch_local
+    from .emulated import run_ranks
     from .workloads import load_factory
 
     load_factory(spec)  # fail fast on a factory that does not import
-    kwargs = dict(kwargs)
-    if rate is None:
-        kwargs.setdefault("where", f"{nproc} local processes over loopback")
-        return launch_local(_autotune_rank, nproc, (spec, kwargs), timeout=timeout)[0]
-    from .emulated import EmulatedCluster
 
-    with EmulatedCluster(hosts=nproc, rate=rate) as cluster:
-        kwargs.setdefault("where", f"emulated cluster: {cluster.describe()}")
-        return cluster.run(_autotune_rank, (spec, kwargs), timeout=timeout)[0]
+    def args(where: str):
+        return (spec, {"where": where, **kwargs})
+
+    return run_ranks(_autotune_rank, nproc, args, rate=rate, timeout=timeout)[0]
 
 
 def _measurements(problem, choices_of, described, rounds_s, where):

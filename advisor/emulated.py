@@ -209,3 +209,19 @@ class EmulatedCluster:
         return f"{self.hosts} hosts in network namespaces, links {rate}" + (
             f", +{self.delay_ms} ms" if self.delay_ms else ""
         )
+
+
+def run_ranks(fn: Callable[..., Any], nproc: int, make_args: Callable[[str], Sequence[Any]], *,
+              rate: str | float | None = None, timeout: float = 600.0) -> list[Any]:
+    """Run ``fn(rank, nproc, *make_args(where))`` on ``nproc`` ranks; the ranks' results.
+
+    With ``rate`` the ranks are hosts of an emulated cluster with links of that rate (root
+    and iproute2); without, local processes over loopback.  ``where`` describes which, for
+    the job to record.
+    """
+    from .launch import launch_local
+
+    if rate is None:
+        return launch_local(fn, nproc, make_args(f"{nproc} local processes over loopback"), timeout=timeout)
+    with EmulatedCluster(hosts=nproc, rate=rate) as cluster:
+        return cluster.run(fn, make_args(f"emulated cluster: {cluster.describe()}"), timeout=timeout)

@@ -160,6 +160,8 @@ class VersionedDocument(JsonDocument):
 
     KIND = ""
     VERSION = 1
+    #: what to do with a document of another version
+    REDO = "create it again with this version"
 
     def to_dict(self) -> dict:
         return to_jsonable(self)
@@ -173,7 +175,7 @@ class VersionedDocument(JsonDocument):
         if data.get("version") != cls.VERSION:
             raise ValueError(
                 f"{cls.what} version {data.get('version')!r} is not supported (this advisor reads version "
-                f"{cls.VERSION}); create it again with this version"
+                f"{cls.VERSION}); {cls.REDO}"
             )
         try:
             return from_jsonable(cls, data)

@@ -127,13 +127,9 @@ def profile_model(
     from advisor.workloads import load_factory
 
     load_factory(spec)  # fail fast, in this process, on a factory that does not import
-    if rate is None:
-        from advisor.launch import launch_local
+    from advisor.emulated import run_ranks
 
-        kwargs.setdefault("note", f"{nproc} local processes over loopback")
-        return launch_local(_profile_rank, nproc, (spec, kwargs), timeout=timeout)[0]
-    from advisor.emulated import EmulatedCluster
+    def args(where: str):
+        return (spec, {"note": where, **kwargs})
 
-    with EmulatedCluster(hosts=nproc, rate=rate) as cluster:
-        kwargs.setdefault("note", f"emulated cluster: {cluster.describe()}")
-        return cluster.run(_profile_rank, (spec, kwargs), timeout=timeout)[0]
+    return run_ranks(_profile_rank, nproc, args, rate=rate, timeout=timeout)[0]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from advisor.schema import JsonDocument, SchemaError, from_jsonable, to_jsonable
+from advisor.schema import VersionedDocument
 
 PROFILE_VERSION = 1
 PROFILE_KIND = "compression-advisor/cluster-profile"
@@ -182,8 +182,11 @@ class Environment:
 
 
 @dataclass
-class ClusterProfile(JsonDocument):
+class ClusterProfile(VersionedDocument):
     what = "cluster profile"
+    KIND = PROFILE_KIND
+    VERSION = PROFILE_VERSION
+    REDO = "profile the cluster again with this version"
 
     environment: Environment
     compute: ComputeProfile
@@ -192,22 +195,3 @@ class ClusterProfile(JsonDocument):
     fidelity: FidelityProfile | None = None
     kind: str = PROFILE_KIND
     version: int = PROFILE_VERSION
-
-    def to_dict(self) -> dict:
-        return to_jsonable(self)
-
-    @classmethod
-    def from_dict(cls, data) -> "ClusterProfile":
-        if not isinstance(data, dict):
-            raise ValueError(f"a cluster profile must be a JSON object, got {type(data).__name__}")
-        if data.get("kind") != PROFILE_KIND:
-            raise ValueError(f"not a cluster profile: 'kind' is {data.get('kind')!r}, expected {PROFILE_KIND!r}")
-        if data.get("version") != PROFILE_VERSION:
-            raise ValueError(
-                f"cluster profile version {data.get('version')!r} is not supported (this advisor reads "
-                f"version {PROFILE_VERSION}); profile the cluster again with this version"
-            )
-        try:
-            return from_jsonable(cls, data)
-        except SchemaError as exc:
-            raise ValueError(f"malformed cluster profile: {exc}") from None
