@@ -20,7 +20,9 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .live import slowest, timed_steps
+from profilers.compute import slowest
+
+from .live import timed_steps
 from .workloads import build_workload
 
 MODELS = ("advisor.workloads:mlp", "advisor.workloads:small_cnn", "advisor.workloads:tiny_lm")

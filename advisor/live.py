@@ -18,8 +18,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+
+from profilers.compute import slowest
 
 from .runtime import CompressionHook, Plan, install
 
@@ -85,14 +86,6 @@ def timed_steps(model, loss_fn: LossFn, batches: Sequence[Any], optimizer, steps
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def slowest(seconds: list[float], group=None) -> list[float]:
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return seconds
-    t = torch.tensor(seconds, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.tolist()
 
 
 def measure_plans(

@@ -99,17 +99,25 @@ class OnlineTuner:
         self._grads: dict[tuple[str, ...], list[torch.Tensor]] = {}
         self._trial_queue: list[tuple[str, Plan, str]] = []
         self._trial_times: dict[str, list[float]] = {}
+        self._trial_kind: dict[str, str] = {}
+        self._trial_plans: dict[str, Plan] = {}
         self._current_trial: str | None = None
-        self._reference_gain: dict[tuple[str, ...], float] = {}
-        self._gains: dict[tuple[str, ...], float] = {}
+        self._trial_count = 0
+        self._last_start = 0.0
+        self._reference_gain: dict[str, float] = {}
+        self._gains: dict[str, float] = {}
+        self._gain_observer = None
         self._watch_next = False
+        self._watch_countdown = watch_every
         self._observer = None
+        self._grad_handles: list = []
+        self._optimizer_times: list[float] = []
+        self._opt_t0 = 0.0
         if self.phase == OBSERVE:
             self._start_observing()
         else:
             self._watch_countdown = 3  # reference gain on step 2, after DDP's bucket rebuild
             self._note("watch", f"watching the given plan {plan.digest()}")
-        self._optimizer_times: list[float] = []
         if optimizer is not None:
             self._handles.append(optimizer.register_step_pre_hook(self._optimizer_start))
             self._handles.append(optimizer.register_step_post_hook(self._optimizer_end))
@@ -155,7 +163,7 @@ class OnlineTuner:
         self.hook.observers.append(capture)
 
     def _stop_observing(self) -> None:
-        for h in getattr(self, "_grad_handles", []):
+        for h in self._grad_handles:
             h.remove()
         self._grad_handles = []
         if self._observer is not None and self._observer in self.hook.observers:
@@ -189,25 +197,24 @@ class OnlineTuner:
     # --- phase 2: profile and search -----------------------------------------------------
     def _profile(self):
         from profilers.cluster import _environment, _slowest_kernels
-        from profilers.compute import _slowest, copy_rate, ddp_buckets, layer_costs, layer_of
+        from profilers.compute import copy_rate, ddp_buckets, layer_costs, layer_of, slowest
         from profilers.fidelity import replay
         from profilers.kernels import profile_kernels
         from profilers.network import profile_network
-        from profilers.profile import (Bucket, ClusterProfile, ComputeProfile, FidelityEntry, FidelityProfile,
+        from profilers.profile import (ClusterProfile, ComputeProfile, FidelityEntry, FidelityProfile,
                                        ParameterTiming)
 
         named = [(n, p) for n, p in self.ddp.module.named_parameters() if p.requires_grad]
         names = [n for n, _ in named]
         runs = self._ready_runs[1:] or self._ready_runs  # the first step includes DDP's set-up
-        steps = [b - a for a, b in zip(self._starts[1:], self._starts[2:])]
         forward = statistics.median(self._forward[1:] or self._forward)
         backward = statistics.median(max(r.values()) for r in runs)
         optimizer = statistics.median(self._optimizer_times[1:]) if len(self._optimizer_times) > 1 else 0.0
         local = [forward, backward, optimizer, copy_rate(named)]
         local += [statistics.median(r.get(n, backward) for r in runs) for n in names]
-        merged = _slowest(local, self.group)
+        merged = slowest(local, self.group)
         ready = dict(zip(names, merged[4:]))
-        buckets = [b for b in ddp_buckets(self.ddp, None, None)] if self._rebuilt() else self._segments_as_buckets()
+        buckets = ddp_buckets(self.ddp, None, None) if self._rebuilt() else self._segments_as_buckets()
         shapes = dict((n, p.shape) for n, p in named)
         compute = ComputeProfile(
             forward_s=merged[0], backward_s=merged[1], optimizer_s=merged[2], steps=len(runs),
@@ -236,7 +243,6 @@ class OnlineTuner:
         fidelity = FidelityProfile(steps=len(next(iter(self._grads.values()), [])), world_size=self.world,
                                    entries=entries)
         environment = _environment(self.ddp, self.group, "online, inside the training loop")
-        del steps  # step times are measured again, per plan, in the trial phase
         return ClusterProfile(environment=environment, compute=compute, network=network, kernels=kernels,
                               fidelity=fidelity)
 
@@ -287,10 +293,8 @@ class OnlineTuner:
     def _next_trial(self, now: float) -> None:
         label, plan, kind = self._trial_queue.pop(0)
         self._current_trial = label
-        self._trial_kind = getattr(self, "_trial_kind", {})
         self._trial_kind[label] = kind
         self._trial_times[label] = []
-        self._trial_plans = getattr(self, "_trial_plans", {})
         self._trial_plans[label] = plan
         self.hook.set_plan(plan, reason=f"online trial: {label}", verify=False)
         self._last_start = now
@@ -312,7 +316,7 @@ class OnlineTuner:
         from policies.do_no_harm import LiveMeasurement, decide
 
         from .autotune import _broadcast
-        from .live import slowest
+        from profilers.compute import slowest
 
         labels = list(self._trial_times)
         medians = slowest([statistics.median(self._trial_times[label]) for label in labels], self.group)
@@ -331,12 +335,10 @@ class OnlineTuner:
     def _watch_step(self) -> None:
         if self._watch_next:
             self._finish_watch()
-        countdown = getattr(self, "_watch_countdown", self.watch_every)
-        countdown -= 1
-        if countdown <= 0:
+        self._watch_countdown -= 1
+        if self._watch_countdown <= 0:
             self._begin_watch()
-            countdown = self.watch_every
-        self._watch_countdown = countdown
+            self._watch_countdown = self.watch_every
 
     def _begin_watch(self) -> None:
         sim = SimulatedRanks(1)

@@ -74,7 +74,8 @@ def ddp_buckets(ddp: DistributedDataParallel, loss_fn: LossFn, batch: Any) -> li
     return [Bucket(i, b, sum(by_name[n].numel() for n in b)) for i, b in enumerate(buckets)]
 
 
-def _slowest(values: list[float], group) -> list[float]:
+def slowest(values: list[float], group=None) -> list[float]:
+    """Each value's maximum over the ranks (the slowest rank sets the pace); one collective."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return values
     t = torch.tensor(values, dtype=torch.float64)
@@ -170,7 +171,7 @@ def profile_compute(
     per_step_layers = [layer_costs(run, names) for run in ready_runs]
     layers = sorted(per_step_layers[0])
     local += [statistics.median(c.get(layer, 0.0) for c in per_step_layers) for layer in layers]
-    merged = _slowest(local, group)
+    merged = slowest(local, group)
     forward_s, backward_s, optimizer_s, copy_s_per_byte = merged[:4]
     ready = dict(zip(names, merged[4 : 4 + len(names)]))
     layer_backward = dict(zip(layers, merged[4 + len(names) :]))
