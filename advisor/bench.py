@@ -11,7 +11,6 @@ advisor's installed plan (timed past its warm-up).
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -135,6 +134,3 @@ def render_row(row: dict, console=None) -> None:
     console.print(f"advisor plan vs PyTorch fp16 hook {row['vs_fp16_hook']:.2f}x, vs best PyTorch PowerSGD "
                   f"{row['vs_best_powersgd']:.2f}x, vs best baseline {row['vs_best_baseline']:.2f}x")
 
-
-def environment_rate() -> str:
-    return os.environ.get("ADVISOR_RATE", "?")
