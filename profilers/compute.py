@@ -104,6 +104,23 @@ def layer_costs(ready: dict[str, float], order: list[str]) -> dict[str, float]:
     return costs
 
 
+def steady_steps(backward_s: list[float], tolerance: float = 1.25) -> list[int]:
+    """Indices of the timed steps to keep: all, unless one half ran much slower.
+
+    On a shared machine a burst of other work can slow a stretch of steps; noise only ever
+    adds time, so when the two halves' medians differ by more than ``tolerance`` x the
+    faster half alone is kept.
+    """
+    n = len(backward_s)
+    if n < 4:
+        return list(range(n))
+    halves = [list(range(n // 2)), list(range(n // 2, n))]
+    medians = [statistics.median(backward_s[i] for i in h) for h in halves]
+    if max(medians) > tolerance * min(medians):
+        return halves[medians.index(min(medians))]
+    return list(range(n))
+
+
 def profile_compute(
     ddp: DistributedDataParallel,
     loss_fn: LossFn,
@@ -164,6 +181,9 @@ def profile_compute(
             optimizer.load_state_dict(saved_optim)
         ddp.zero_grad(set_to_none=True)
 
+    keep = steady_steps(bwd)
+    fwd, bwd, opt = ([series[i] for i in keep] for series in (fwd, bwd, opt))
+    ready_runs = [ready_runs[i] for i in keep]
     names = [n for n, _ in named]
     local = [statistics.median(fwd), statistics.median(bwd), statistics.median(opt), copy_rate(named)]
     local += [statistics.median(run[n] for run in ready_runs) for n in names]
@@ -180,7 +200,7 @@ def profile_compute(
         forward_s=forward_s,
         backward_s=backward_s,
         optimizer_s=optimizer_s,
-        steps=steps,
+        steps=len(bwd),  # the steps kept (see steady_steps)
         parameters=[
             ParameterTiming(n, layer_of(n), by_name[n].numel(), list(by_name[n].shape), ready[n]) for n in names
         ],

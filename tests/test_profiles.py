@@ -102,3 +102,14 @@ def test_the_kernel_model_interpolates_and_extrapolates_a_power_law():
     noisy = fit_loglog([1, 2, 4, 8], [1.0, 0.5, 2.0, 4.0])
     values = predict_loglog(noisy, [1, 2, 4, 8])
     assert all(a <= b for a, b in zip(values, values[1:]))
+
+
+def test_a_slowed_half_of_the_compute_steps_is_dropped():
+    from profilers.compute import steady_steps
+
+    steady = [0.030, 0.031, 0.029, 0.030, 0.031, 0.030]
+    assert steady_steps(steady) == list(range(6))
+    burst = [0.030, 0.031, 0.029, 0.060, 0.065, 0.058]  # other work started halfway
+    assert steady_steps(burst) == [0, 1, 2]
+    assert steady_steps([0.06, 0.07, 0.03, 0.03]) == [2, 3]
+    assert steady_steps([0.03, 0.09]) == [0, 1]  # too few steps to judge
