@@ -239,7 +239,7 @@ def autotune(
     result.measurements = _measurements(problem, choices_of, described, rounds_s, result.where)
     if measurements_path is not None and _rank(group) == 0:
         _append_measurements(measurements_path, result.measurements)
-    result.hook = hook  # not part of the JSON document
+    result.hook = hook
     return result
 
 

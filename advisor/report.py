@@ -61,6 +61,8 @@ class AutotuneResult(VersionedDocument):
     measurements: list[Measurement] = field(default_factory=list)
     kind: str = RESULT_KIND
     version: int = RESULT_VERSION
+    #: the installed CompressionHook (None when the advice is native fp32); not in the JSON
+    hook: Any = field(default=None, init=False, repr=False, compare=False)
 
     def save_png(self, path) -> None:
         """Measured vs predicted step time of every plan measured live."""
