@@ -151,12 +151,21 @@ def save_measured_vs_predicted_png(result: "AutotuneResult", path) -> None:
 def render_buckets(rows: list[BucketRow], console) -> None:
     from rich.table import Table
 
-    table = Table(title="Per bucket (in the order backward produces them)")
-    for col in ("bucket", "params", "elements", "compressor", "encode ms", "comm ms", "decode ms", "wire KiB",
-                "fidelity err"):
-        table.add_column(col, justify="left" if col == "compressor" else "right")
+    from rich import box
+
+    from .reports import short_count
+
+    # light borders and short headers: the table fits an 80-column terminal
+    table = Table(title="Per bucket (in the order backward produces them; #: bucket, par: parameters, size: elements, "
+                        "err: fidelity error)", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("#", justify="right")
+    table.add_column("par", justify="right")
+    table.add_column("size", justify="right")
+    table.add_column("compressor", no_wrap=True)
+    for col in ("enc ms", "comm ms", "dec ms", "KiB", "err"):
+        table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(str(r.index), str(r.parameters), f"{r.numel:,}", r.config, f"{r.encode_s * 1e3:.2f}",
+        table.add_row(str(r.index), str(r.parameters), short_count(r.numel), r.config, f"{r.encode_s * 1e3:.2f}",
                       f"{r.comm_s * 1e3:.2f}", f"{r.decode_s * 1e3:.2f}", f"{r.wire_bytes / 1024:.0f}",
                       f"{r.fidelity_error:.3g}")
     console.print(table)

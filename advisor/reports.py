@@ -57,6 +57,15 @@ def render_profile(profile, console: Console | None = None) -> None:
         console.print(fid)
 
 
+def short_count(n: int) -> str:
+    """``4,197,376`` -> ``4.20M``: narrow enough for an 80-column table."""
+    if n >= 1_000_000:
+        return f"{n / 1e6:.2f}M"
+    if n >= 10_000:
+        return f"{n / 1e3:.0f}k"
+    return f"{n:,}"
+
+
 def timeline_bars(timeline, width: int = 64) -> list[str]:
     """A text timeline of backward: one line for backward, one per bucket.
 
@@ -97,10 +106,17 @@ def render_plan(plan, profile, console: Console | None = None, png: str | None =
     fidelity = {}
     if profile.fidelity is not None:
         fidelity = {(e.bucket, e.config): e.relative_error for e in profile.fidelity.entries}
-    table = Table(title=f"Plan {plan.digest()} on {profile.environment.world_size} ranks ({profile.environment.note})")
-    for c in ("bucket", "params", "elements", "compressor", "encode ms", "wait ms", "comm ms", "decode ms",
-              "wire KiB", "fidelity err"):
-        table.add_column(c, justify="left" if c == "compressor" else "right")
+    from rich import box
+
+    table = Table(title=f"Plan {plan.digest()} on {profile.environment.world_size} ranks "
+                        f"({profile.environment.note}); #: bucket, par: parameters, size: elements, err: fidelity error",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("#", justify="right")
+    table.add_column("par", justify="right")
+    table.add_column("size", justify="right")
+    table.add_column("compressor", no_wrap=True)
+    for c in ("enc ms", "wait ms", "comm ms", "dec ms", "KiB", "err"):
+        table.add_column(c, justify="right")
     rows = []
     for span, bucket in zip(timeline.buckets, model.buckets):
         err = fidelity.get((bucket.index, span.config), 0.0 if span.config == "none" else None)
@@ -110,7 +126,7 @@ def render_plan(plan, profile, console: Console | None = None, png: str | None =
                      "decode_s": span.decode_end_s - span.comm_end_s, "wire_bytes": span.wire_bytes,
                      "fidelity_error": err})
         r = rows[-1]
-        table.add_row(str(r["bucket"]), str(r["parameters"]), f"{r['numel']:,}", r["config"],
+        table.add_row(str(r["bucket"]), str(r["parameters"]), short_count(r["numel"]), r["config"],
                       f"{r['encode_s'] * 1e3:.2f}", f"{r['wait_s'] * 1e3:.2f}", f"{r['comm_s'] * 1e3:.2f}",
                       f"{r['decode_s'] * 1e3:.2f}", f"{r['wire_bytes'] / 1024:.0f}",
                       f"{err:.3g}" if err is not None else "not profiled")
