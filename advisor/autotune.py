@@ -44,6 +44,7 @@ from .compressors.registry import parse
 from .live import LossFn, measure_plans
 from .report import AutotuneResult, BucketRow
 from .runtime import Plan, install
+from .schema import check_int
 
 log = logging.getLogger("advisor.autotune")
 
@@ -62,11 +63,6 @@ def _policy(policy, trials: int) -> Policy:
     if policy == "greedy":
         return GreedyPolicy()
     raise ValueError(f"policy={policy!r}; allowed: {', '.join(POLICIES)} or a policies.Policy instance")
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r}; allowed: an integer >= {minimum}")
 
 
 def _broadcast(obj, group=None):
@@ -133,7 +129,7 @@ def autotune(
     chosen_policy = _policy(policy, trials)
     for name, value, minimum in (("trials", trials, 1), ("top", top, 1), ("rounds", rounds, 1),
                                  ("steps", steps, 1), ("warmup_steps", warmup_steps, 0)):
-        _check_int(name, value, minimum)
+        check_int(name, value, minimum)
     if not 0 <= min_gain < 1:
         raise ValueError(f"min_gain={min_gain!r}; allowed: 0 <= min_gain < 1")
     if not measure_s > 0:

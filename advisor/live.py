@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from profilers.compute import slowest
 
 from .runtime import CompressionHook, Plan, install
+from .schema import check_int
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -114,8 +115,7 @@ def measure_plans(
     labels = (["fp32"] if native else []) + list(plans)
     per_label = dict(steps) if isinstance(steps, Mapping) else {label: steps for label in labels}
     for name, value in [("rounds", rounds)] + [(f"steps[{k}]", v) for k, v in per_label.items()]:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}; allowed: an integer >= 1")
+        check_int(name, value)
     missing = [label for label in labels if label not in per_label]
     if missing:
         raise ValueError(f"steps names no count for {missing}")

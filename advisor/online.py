@@ -46,6 +46,7 @@ from .compressors import SegmentLayout, parse
 from .compressors.registry import CompressorConfig
 from .runtime import Plan, install
 from .runtime.simulate import SimulatedRanks
+from .schema import check_int
 
 log = logging.getLogger("advisor.online")
 
@@ -57,11 +58,6 @@ class TunerEvent:
     step: int
     what: str
     detail: str
-
-
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r}; allowed: an integer >= {minimum}")
 
 
 class OnlineTuner:
@@ -77,7 +73,7 @@ class OnlineTuner:
             raise TypeError(f"wrap needs a DistributedDataParallel model, got {type(ddp).__name__}")
         for name, value, minimum in (("observe_steps", observe_steps, 3), ("trial_steps", trial_steps, 2),
                                      ("top", top, 1), ("trials", trials, 1), ("watch_every", watch_every, 1)):
-            _check_int(name, value, minimum)
+            check_int(name, value, minimum)
         if not 0 < backoff <= 10:
             raise ValueError(f"backoff={backoff!r}; allowed: 0 < backoff <= 10 (a fraction of the reference gain)")
         self.candidates = [parse(c).label for c in (candidates or DEFAULT_CANDIDATES)]

@@ -10,10 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import types
 import typing
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
+
+
+def check_int(name: str, value, minimum: int = 1) -> None:
+    """Raise ValueError naming ``name`` unless ``value`` is an integer >= ``minimum`` (bools are not)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name}={value!r}; allowed: an integer >= {minimum}")
 
 
 class SchemaError(ValueError):

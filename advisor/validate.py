@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .runtime import Plan, install
 from .runtime.plan import as_plan
-from .schema import VersionedDocument
+from .schema import VersionedDocument, check_int
 from .workloads import _DigitsNet, digits_data
 
 VALIDATION_KIND = "compression-advisor/validation"
@@ -179,8 +179,7 @@ def validate_accuracy(
     plan = as_plan(plan)
     plan.check_against(name for name, _ in _DigitsNet().named_parameters())
     for name, value in (("world_size", world_size), ("epochs", epochs), ("batch", batch)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}; allowed: an integer >= 1")
+        check_int(name, value)
     if not lr > 0:
         raise ValueError(f"lr={lr!r}; allowed: > 0")
     baseline, compressed = launch_local(

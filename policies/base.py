@@ -56,8 +56,3 @@ def distinct_best(problem: TuningProblem, plans: np.ndarray, seconds: np.ndarray
         if len(out) == k:
             break
     return out
-
-
-def check_positive_int(name: str, value, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name}={value!r}; allowed: an integer >= {minimum}")

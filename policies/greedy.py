@@ -16,7 +16,9 @@ import time
 
 import numpy as np
 
-from .base import Policy, PolicyResult, check_positive_int, distinct_best
+from advisor.schema import check_int
+
+from .base import Policy, PolicyResult, distinct_best
 from .problem import TuningProblem
 
 
@@ -31,8 +33,8 @@ class GreedyPolicy(Policy):
 
     def search(self, problem: TuningProblem) -> PolicyResult:
         if self.max_rounds is not None:
-            check_positive_int("max_rounds", self.max_rounds)
-        check_positive_int("keep", self.keep)
+            check_int("max_rounds", self.max_rounds)
+        check_int("keep", self.keep)
         t0 = time.perf_counter()
         n_b, n_c = problem.n_buckets, len(problem.configs)
         uniforms = np.repeat(np.arange(n_c)[:, None], n_b, axis=1)

@@ -21,7 +21,9 @@ import time
 import numpy as np
 import optuna
 
-from .base import Policy, PolicyResult, check_positive_int, distinct_best
+from advisor.schema import check_int
+
+from .base import Policy, PolicyResult, distinct_best
 from .greedy import GreedyPolicy
 from .problem import TuningProblem
 
@@ -83,9 +85,9 @@ class OptunaPolicy(Policy):
         raise ValueError(f"sampler={self.sampler!r}; allowed: {', '.join(SAMPLERS)} or an optuna sampler instance")
 
     def _validate(self) -> None:
-        check_positive_int("n_trials", self.n_trials)
-        check_positive_int("batch", self.batch)
-        check_positive_int("keep", self.keep)
+        check_int("n_trials", self.n_trials)
+        check_int("batch", self.batch)
+        check_int("keep", self.keep)
         if self.storage is not None and not isinstance(self.storage, str):
             raise ValueError(f"storage={self.storage!r}; allowed: an Optuna storage URL such as 'sqlite:///study.db'")
 
