@@ -21,6 +21,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from profilers.compute import slowest
+from profilers.training_state import StateGuard
 
 from .runtime import CompressionHook, Plan, install
 from .schema import check_int
@@ -42,25 +43,6 @@ def shadow_of(ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer | N
         except TypeError:  # an optimizer whose defaults are not its constructor arguments
             opt = torch.optim.SGD(module.parameters(), lr=1e-3)
     return shadow, opt
-
-
-class StateGuard:
-    """Saves a model's parameters/buffers and its optimizer's state; restores them on exit."""
-
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        self.module = module
-        self.optimizer = optimizer
-
-    def __enter__(self) -> "StateGuard":
-        self._model = copy.deepcopy(self.module.state_dict())
-        self._opt = copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.module.load_state_dict(self._model)
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(self._opt)
-        self.module.zero_grad(set_to_none=True)
 
 
 def timed_steps(model, loss_fn: LossFn, batches: Sequence[Any], optimizer, steps: int, warmup: int,

@@ -13,7 +13,6 @@ before and restored after, hooks are removed, and gradients are cleared.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import statistics
 import time
@@ -25,6 +24,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from .profile import Bucket, ComputeProfile, ParameterTiming
+from .training_state import StateGuard
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -144,42 +144,36 @@ def profile_compute(
         raise ValueError("profile_compute got no batches")
     feed = itertools.cycle(batch_list)
     named = _named_trainable(ddp.module)
-    saved_model = copy.deepcopy(ddp.module.state_dict())
-    saved_optim = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
-
     stamps: dict[str, float] = {}
     handles = [
         p.register_post_accumulate_grad_hook(lambda _p, _n=name: stamps.__setitem__(_n, time.perf_counter()))
         for name, p in named
     ]
     fwd, bwd, opt, ready_runs = [], [], [], []
-    try:
-        for i in range(warmup + steps):
-            batch = next(feed)
-            ddp.zero_grad(set_to_none=True)
-            stamps.clear()
-            with ddp.no_sync():
-                t0 = time.perf_counter()
-                loss = loss_fn(ddp, batch)
-                t1 = time.perf_counter()
-                loss.backward()
-                t2 = time.perf_counter()
-            if optimizer is not None:
-                optimizer.step()
-            t3 = time.perf_counter()
-            if i >= warmup:
-                fwd.append(t1 - t0)
-                bwd.append(t2 - t1)
-                opt.append(t3 - t2)
-                ready_runs.append({n: stamps.get(n, t2) - t1 for n, _ in named})
-        buckets = ddp_buckets(ddp, loss_fn, batch_list[0])
-    finally:
-        for h in handles:
-            h.remove()
-        ddp.module.load_state_dict(saved_model)
-        if optimizer is not None:
-            optimizer.load_state_dict(saved_optim)
-        ddp.zero_grad(set_to_none=True)
+    with StateGuard(ddp.module, optimizer):
+        try:
+            for i in range(warmup + steps):
+                batch = next(feed)
+                ddp.zero_grad(set_to_none=True)
+                stamps.clear()
+                with ddp.no_sync():
+                    t0 = time.perf_counter()
+                    loss = loss_fn(ddp, batch)
+                    t1 = time.perf_counter()
+                    loss.backward()
+                    t2 = time.perf_counter()
+                if optimizer is not None:
+                    optimizer.step()
+                t3 = time.perf_counter()
+                if i >= warmup:
+                    fwd.append(t1 - t0)
+                    bwd.append(t2 - t1)
+                    opt.append(t3 - t2)
+                    ready_runs.append({n: stamps.get(n, t2) - t1 for n, _ in named})
+            buckets = ddp_buckets(ddp, loss_fn, batch_list[0])
+        finally:
+            for h in handles:
+                h.remove()
 
     keep = steady_steps(bwd)
     fwd, bwd, opt = ([series[i] for i in keep] for series in (fwd, bwd, opt))

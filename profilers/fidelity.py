@@ -15,7 +15,6 @@ averaging across ranks, which can only reduce the error of linear compressors.
 
 from __future__ import annotations
 
-import copy
 import itertools
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -29,6 +28,7 @@ from advisor.runtime.simulate import SimulatedRanks
 
 from .compute import LossFn
 from .profile import Bucket, FidelityEntry, FidelityProfile
+from .training_state import StateGuard
 
 
 def capture_gradients(
@@ -36,10 +36,9 @@ def capture_gradients(
 ) -> list[list[torch.Tensor]]:
     """``[step][bucket]`` flat gradients (no communication); training state is restored."""
     by_name = dict(ddp.module.named_parameters())
-    saved = copy.deepcopy(ddp.module.state_dict())
     feed = itertools.cycle(list(itertools.islice(iter(batches), steps)))
     captured = []
-    try:
+    with StateGuard(ddp.module):
         for _ in range(steps):
             ddp.zero_grad(set_to_none=True)
             with ddp.no_sync():
@@ -50,9 +49,6 @@ def capture_gradients(
                     for b in buckets
                 ]
             )
-    finally:
-        ddp.module.load_state_dict(saved)
-        ddp.zero_grad(set_to_none=True)
     return captured
 
 
