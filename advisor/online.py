@@ -194,11 +194,10 @@ class OnlineTuner:
     def _profile(self):
         from profilers.cluster import _environment, _slowest_kernels
         from profilers.compute import copy_rate, ddp_buckets, layer_costs, layer_of, slowest
-        from profilers.fidelity import replay
+        from profilers.fidelity import fidelity_of
         from profilers.kernels import profile_kernels
         from profilers.network import profile_network
-        from profilers.profile import (ClusterProfile, ComputeProfile, FidelityEntry, FidelityProfile,
-                                       ParameterTiming)
+        from profilers.profile import ClusterProfile, ComputeProfile, ParameterTiming
 
         named = [(n, p) for n, p in self.ddp.module.named_parameters() if p.requires_grad]
         names = [n for n, _ in named]
@@ -222,22 +221,9 @@ class OnlineTuner:
         configs = [c for c in self.candidates if c != "none"]
         kernels = _slowest_kernels(profile_kernels(layouts, configs, world_size=self.world,
                                                    ladder=(1 << 14, 1 << 17, 1 << 20), repeats=3), self.group)
-        values = []
-        for b, layout in zip(buckets, layouts):
-            stream = self._grads.get(layout.names) or []
-            for c in configs:
-                values.extend(replay(c, layout, stream) if stream else (0.0, 1.0))
-        t = torch.tensor(values, dtype=torch.float64)
-        if self.world > 1:
-            dist.all_reduce(t, group=self.group)
-            t /= self.world
-        entries, k = [], 0
-        for b in buckets:
-            for c in configs:
-                entries.append(FidelityEntry(b.index, c, float(t[k]), float(t[k + 1])))
-                k += 2
-        fidelity = FidelityProfile(steps=len(next(iter(self._grads.values()), [])), world_size=self.world,
-                                   entries=entries)
+        streams = [self._grads.get(layout.names) or [] for layout in layouts]
+        fidelity = fidelity_of(streams, layouts, buckets, configs,
+                               steps=len(next(iter(self._grads.values()), [])), group=self.group)
         environment = _environment(self.ddp, self.group, "online, inside the training loop")
         return ClusterProfile(environment=environment, compute=compute, network=network, kernels=kernels,
                               fidelity=fidelity)

@@ -86,13 +86,29 @@ def profile_fidelity(
 ) -> FidelityProfile:
     """Per bucket and config, error and gain on real gradients, averaged over ranks."""
     grads = capture_gradients(ddp, loss_fn, batches, buckets, steps)
+    streams = [[step[b] for step in grads] for b in range(len(buckets))]
+    layouts = [bucket_layout(bucket, ddp) for bucket in buckets]
+    return fidelity_of(streams, layouts, buckets, configs, steps, group)
+
+
+def fidelity_of(
+    streams: Sequence[Sequence[torch.Tensor]],
+    layouts: Sequence[SegmentLayout],
+    buckets: Sequence[Bucket],
+    configs: Sequence[str],
+    steps: int,
+    group=None,
+) -> FidelityProfile:
+    """Replay each bucket's gradient stream through each config; average over ranks.
+
+    A bucket with no captured gradients counts as undistorted (error 0, gain 1).
+    Call on every rank: one all-reduce carries every number.
+    """
     labels = [parse(c).label for c in configs]
     values = []
-    for b_index, bucket in enumerate(buckets):
-        layout = bucket_layout(bucket, ddp)
-        stream = [step[b_index] for step in grads]
+    for stream, layout in zip(streams, layouts):
         for label in labels:
-            values.extend(replay(label, layout, stream))
+            values.extend(replay(label, layout, stream) if stream else (0.0, 1.0))
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     t = torch.tensor(values, dtype=torch.float64)
     if world > 1:
