@@ -242,7 +242,7 @@ class OnlineTuner:
         from policies.problem import TuningProblem
         from profilers.profile import ClusterProfile
 
-        from .autotune import _broadcast
+        from .autotune import _broadcast, _rank
 
         t0 = time.perf_counter()
         self._stop_observing()
@@ -250,7 +250,7 @@ class OnlineTuner:
         profile = ClusterProfile.from_dict(_broadcast(profile.to_dict(), self.group))
         problem = TuningProblem.from_profile(profile, self.candidates, budget=self.budget)
         found = None
-        if (dist.get_rank(self.group) if dist.is_initialized() else 0) == 0:
+        if _rank(self.group) == 0:
             found = OptunaPolicy(n_trials=self.trials).search(problem)
         found = _broadcast(found, self.group)
         queue = [("fp32", Plan.uniform("none", warmup_steps=0), "fp32")]
@@ -262,7 +262,6 @@ class OnlineTuner:
             seen.add(choices.tobytes())
             label = problem.describe(choices)
             queue.append((label, problem.plan(choices, warmup_steps=0), "candidate"))
-        self._problem = problem
         self._trial_queue = queue
         self._trial_times = {}
         self.phase = TRIAL
@@ -301,9 +300,11 @@ class OnlineTuner:
         from profilers.compute import slowest
 
         labels = list(self._trial_times)
-        medians = slowest([statistics.median(self._trial_times[label]) for label in labels], self.group)
-        # each trial is one round here: its per-step spread stands in for the noise
-        spread = slowest([statistics.pstdev(self._trial_times[label]) for label in labels], self.group)
+        # each trial is one round here: its per-step spread stands in for the noise;
+        # medians and spreads share one collective
+        merged = slowest([statistics.median(self._trial_times[label]) for label in labels]
+                         + [statistics.pstdev(self._trial_times[label]) for label in labels], self.group)
+        medians, spread = merged[: len(labels)], merged[len(labels):]
         measured = [LiveMeasurement(label, self._trial_kind[label], [max(1e-9, m - s), m, m + s])
                     for label, m, s in zip(labels, medians, spread)]
         decision = _broadcast(decide(measured), self.group)
