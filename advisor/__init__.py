@@ -5,7 +5,9 @@ from .runtime import CompressionHook, Plan, PlanGroup, install
 
 __version__ = "0.1.0"
 
-_LAZY = {"autotune": "autotune", "autotune_model": "autotune", "OnlineTuner": "online", "wrap": "online"}
+# the functions live in modules of other names (advisor.autotuning, advisor.online): a
+# submodule named like the function would replace it as a package attribute once imported
+_LAZY = {"autotune": "autotuning", "autotune_model": "autotuning", "OnlineTuner": "online", "wrap": "online"}
 
 
 def __getattr__(name):

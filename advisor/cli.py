@@ -273,7 +273,10 @@ def tune_cmd(profile_path, candidates, budget, reference, policy, trials, storag
             found = chosen.search(problem)
     except ValueError as exc:
         fail(str(exc))
-    summary = tuning_summary(problem, found)
+    from .report import bucket_rows
+
+    rows = bucket_rows(problem, found.choices)
+    summary = tuning_summary(problem, found, rows)
     plan = problem.plan(found.choices, warmup_steps=warmup_steps,
                         metadata={"advisor": "tune", "description": summary["description"],
                                   "profile": str(profile_path)})
@@ -284,25 +287,15 @@ def tune_cmd(profile_path, candidates, budget, reference, policy, trials, storag
     from rich.console import Console
 
     console = Console()
-    render_tuning(summary, console)
+    render_tuning(summary, rows, console)
     console.print(f"plan written to {out_path}; prove it live with advisor.autotune(...) or `advisor demo`")
 
 
-def tuning_summary(problem, found) -> dict:
-    """Predicted times of the chosen plan and the baselines, per-bucket rows."""
-    import numpy as np
-
+def tuning_summary(problem, found, rows) -> dict:
+    """Predicted times of the chosen plan and the baselines, and the per-bucket ``rows``."""
     predicted = {c: float(problem.predict(problem.uniform(c))[0]) for c in problem.baselines()}
     best_base = min(predicted, key=predicted.get)
     chosen_s = float(found.predicted_s)
-    rows = []
-    costs = problem.costs
-    for b, c in enumerate(np.asarray(found.choices).reshape(-1)):
-        rows.append({"bucket": int(problem.model.buckets[b].index), "parameters": len(problem.parameter_names[b]),
-                     "numel": int(problem.model.buckets[b].numel), "config": problem.configs[int(c)],
-                     "encode_s": float(costs.encode_s[b, c]), "comm_s": float(costs.comm_s[b, c]),
-                     "decode_s": float(costs.decode_s[b, c]), "wire_bytes": int(costs.wire_bytes[b, c]),
-                     "fidelity_error": float(problem.errors[b, c])})
     sixteen = [predicted[c] for c in ("fp16", "bf16") if c in predicted]
     return {
         "description": problem.describe(found.choices), "policy": found.policy,
@@ -312,12 +305,15 @@ def tuning_summary(problem, found) -> dict:
         "speedup_vs_16bit": (min(sixteen) / chosen_s) if sixteen else None,
         "compute_only_s": problem.model.compute_only_s,
         "fidelity_error": float(found.fidelity_error), "fidelity_budget": problem.budget,
-        "reference": problem.reference, "world_size": problem.model.world, "buckets": rows,
+        "reference": problem.reference, "world_size": problem.model.world,
+        "buckets": [{"bucket": r.index, "parameters": r.parameters, "numel": r.numel, "config": r.config,
+                     "encode_s": r.encode_s, "comm_s": r.comm_s, "decode_s": r.decode_s,
+                     "wire_bytes": r.wire_bytes, "fidelity_error": r.fidelity_error} for r in rows],
     }
 
 
-def render_tuning(summary: dict, console) -> None:
-    from .report import BucketRow, render_buckets
+def render_tuning(summary: dict, rows, console) -> None:
+    from .report import render_buckets
 
     s16 = summary["speedup_vs_16bit"]
     console.print(f"[bold]Predicted best plan: {summary['description']}[/bold] "
@@ -327,9 +323,7 @@ def render_tuning(summary: dict, console) -> None:
                   + (f", {s16:.2f}x vs 16-bit" if s16 else "")
                   + f"; fidelity error {summary['fidelity_error']:.3g} (budget {summary['fidelity_budget']:.3g}); "
                   f"{summary['policy']}: {summary['evaluations']} plans in {summary['search_s']:.1f} s")
-    render_buckets([BucketRow(r["bucket"], r["parameters"], r["numel"], r["config"], r["encode_s"], r["comm_s"],
-                              r["decode_s"], r["wire_bytes"], r["fidelity_error"]) for r in summary["buckets"]],
-                   console)
+    render_buckets(rows, console)
 
 
 def _read_json(path: str) -> dict:

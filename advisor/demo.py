@@ -39,7 +39,7 @@ def demo_cluster_description(rate: str | None = DEMO_RATE) -> str:
 
 def run_demo(model: str = DEMO_MODEL, rate: str | None = DEMO_RATE, progress=None, **kwargs):
     """Autotune ``model`` on 2 local ranks; returns rank 0's :class:`AutotuneResult`."""
-    from .autotune import autotune_model
+    from .autotuning import autotune_model
 
     kwargs.setdefault("trials", 1000)
     return autotune_model(model, 2, rate=demo_rate(rate), where=demo_cluster_description(rate), **kwargs)

@@ -67,7 +67,7 @@ class OnlineTuner:
                  observe_steps: int = 8, trial_steps: int = 4, top: int = 2, trials: int = 500,
                  watch_every: int = 50, backoff: float = 0.8, budget: float | None = None,
                  plan: Plan | None = None, group=None) -> None:
-        from .autotune import DEFAULT_CANDIDATES
+        from .autotuning import DEFAULT_CANDIDATES
 
         if not isinstance(ddp, DistributedDataParallel):
             raise TypeError(f"wrap needs a DistributedDataParallel model, got {type(ddp).__name__}")
@@ -242,7 +242,7 @@ class OnlineTuner:
         from policies.problem import TuningProblem
         from profilers.profile import ClusterProfile
 
-        from .autotune import _broadcast, _rank
+        from .autotuning import _broadcast, _rank
 
         t0 = time.perf_counter()
         self._stop_observing()
@@ -296,7 +296,7 @@ class OnlineTuner:
     def _decide(self) -> None:
         from policies.do_no_harm import LiveMeasurement, decide
 
-        from .autotune import _broadcast
+        from .autotuning import _broadcast
         from profilers.compute import slowest
 
         labels = list(self._trial_times)

@@ -30,6 +30,20 @@ class BucketRow:
     fidelity_error: float
 
 
+def bucket_rows(problem, choices) -> list[BucketRow]:
+    """The model's view of each bucket under ``choices`` (one config index per bucket)."""
+    import numpy as np
+
+    costs = problem.costs
+    return [
+        BucketRow(int(problem.model.buckets[b].index), len(problem.parameter_names[b]),
+                  int(problem.model.buckets[b].numel), problem.configs[int(c)], float(costs.encode_s[b, c]),
+                  float(costs.comm_s[b, c]), float(costs.decode_s[b, c]), int(costs.wire_bytes[b, c]),
+                  float(problem.errors[b, c]))
+        for b, c in enumerate(np.asarray(choices).reshape(-1))
+    ]
+
+
 @dataclass
 class AutotuneResult(VersionedDocument):
     """What autotune found, predicted, measured and chose, and why."""

@@ -212,7 +212,7 @@ def tuned_digits_plan(bandwidth: str = "100mbit", trials: int = 500, world_size:
     from policies.problem import TuningProblem
     from profilers.cluster import profile_model
 
-    from .autotune import DEFAULT_CANDIDATES
+    from .autotuning import DEFAULT_CANDIDATES
     from .emulated import parse_rate
     from .perfmodel import Scenario
 

@@ -127,3 +127,12 @@ def test_wrap_names_each_bad_argument_and_registers_nothing():
     assert len(messages) == 4
     assert "observe_steps=1" in messages[0] and "backoff=0" in messages[1]
     assert "unknown compressor 'zstd'" in messages[2] and "trial_steps=0" in messages[3]
+
+
+def test_advisor_autotune_stays_the_function_after_its_module_is_imported():
+    import advisor.autotuning  # noqa: F401  (what autotune's own callers import)
+    import advisor.online  # noqa: F401
+
+    for _ in range(2):
+        assert callable(advisor.autotune) and advisor.autotune.__name__ == "autotune"
+        assert advisor.wrap.__name__ == "wrap"

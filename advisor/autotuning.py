@@ -42,7 +42,7 @@ from policies.problem import DEFAULT_REFERENCE, TuningProblem
 
 from .compressors.registry import parse
 from .live import LossFn, measure_plans
-from .report import AutotuneResult, BucketRow
+from .report import AutotuneResult, bucket_rows
 from .runtime import Plan, install
 from .schema import check_int
 
@@ -249,15 +249,6 @@ def _result(problem, found, decision, measured, predicted, described, final, cho
     if best16 is not None:
         speedup["measured_vs_16bit"] = best16.median_s / chosen_s
         speedup["predicted_vs_16bit"] = min(predicted[m.label] for m in sixteen) / predicted[decision.chosen]
-    rows = np.arange(problem.n_buckets)
-    costs = problem.costs
-    buckets = [
-        BucketRow(int(problem.model.buckets[b].index), len(problem.parameter_names[b]),
-                  int(problem.model.buckets[b].numel), problem.configs[int(c)], float(costs.encode_s[b, c]),
-                  float(costs.comm_s[b, c]), float(costs.decode_s[b, c]), int(costs.wire_bytes[b, c]),
-                  float(problem.errors[b, c]))
-        for b, c in zip(rows, choices)
-    ]
     return AutotuneResult(
         plan=final.to_dict(),
         recommendation=decision.chosen,
@@ -275,7 +266,7 @@ def _result(problem, found, decision, measured, predicted, described, final, cho
         seconds=seconds,
         world_size=profile.environment.world_size,
         where=where or profile.environment.note or "this cluster",
-        buckets=buckets,
+        buckets=bucket_rows(problem, choices),
     )
 
 
