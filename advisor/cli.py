@@ -327,15 +327,9 @@ def render_tuning(summary: dict, rows, console) -> None:
 
 
 def _read_json(path: str) -> dict:
-    from pathlib import Path
+    from .schema import read_json
 
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"file {path!r} does not exist")
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    data = read_json(path, "plan, profile or result")
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object")
     return data

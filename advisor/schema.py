@@ -117,6 +117,17 @@ def from_jsonable(cls: Any, data: Any, path: str = "") -> Any:
     raise SchemaError(f"{where}: cannot read type {cls!r}")
 
 
+def read_json(path: str | Path, what: str = "document") -> Any:
+    """The parsed contents of a JSON file; errors name the file and say what was expected."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{what} file {str(p)!r} does not exist")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{p}: {what} is not valid JSON: {exc}") from None
+
+
 class JsonDocument:
     """JSON text and file I/O for a type with ``to_dict`` / ``from_dict``.
 
@@ -149,13 +160,11 @@ class JsonDocument:
 
     @classmethod
     def load(cls, path: str | Path):
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"{cls.what} file {str(p)!r} does not exist")
+        data = read_json(path, cls.what)
         try:
-            return cls.from_json(p.read_text())
+            return cls.from_dict(data)
         except ValueError as exc:
-            raise ValueError(f"{p}: {exc}") from None
+            raise ValueError(f"{path}: {exc}") from None
 
 
 class VersionedDocument(JsonDocument):
