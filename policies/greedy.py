@@ -60,7 +60,7 @@ class GreedyPolicy(Policy):
                 current = best[0]
                 current_s = float(problem.predict(current[None, :])[0])
                 continue
-            moved, n = self._swap(problem, current, current_s)
+            moved, n = self._swap(problem, current, current_s, s)
             evaluations += n
             if moved is None:
                 break
@@ -80,23 +80,24 @@ class GreedyPolicy(Policy):
         )
 
     @staticmethod
-    def _swap(problem: TuningProblem, current: np.ndarray, current_s: float):
-        """Best pair of changes: one that gains time but breaks the budget, one that repairs it."""
+    def _swap(problem: TuningProblem, current: np.ndarray, current_s: float, s: np.ndarray):
+        """Best pair of changes: one that gains time but breaks the budget, one that repairs it.
+
+        ``s``: predicted seconds of every single-bucket change of ``current``, in the
+        round's (bucket, config) order.
+        """
         n_b, n_c = problem.n_buckets, len(problem.configs)
         rows = np.arange(n_b)
         base_err = problem.errors[rows, current]
         delta_err = (problem.errors - base_err[:, None]) * problem.weights[:, None]  # (b, c)
         slack = problem.budget - float(problem.fidelity_error(current[None, :])[0])
         # single changes that gain time, ranked by predicted time
-        singles = np.repeat(current[None, :], n_b * n_c, axis=0)
-        singles[np.arange(n_b * n_c), np.repeat(rows, n_c)] = np.tile(np.arange(n_c), n_b)
-        s = problem.predict(singles)
         gaining = [i for i in np.argsort(s) if s[i] < current_s * (1 - 1e-9)][:8]
         # changes that free budget (negative delta error), most freed first
         freeing = np.argsort(delta_err.reshape(-1))[:16]
         freeing = [i for i in freeing if delta_err.reshape(-1)[i] < 0]
         if not gaining or not freeing:
-            return None, len(singles)
+            return None, 0
         pairs = []
         for g in gaining:
             bg, cg = divmod(int(g), n_c)
@@ -109,10 +110,10 @@ class GreedyPolicy(Policy):
                     plan[bg], plan[bf] = cg, cf
                     pairs.append(plan)
         if not pairs:
-            return None, len(singles)
+            return None, 0
         pairs = np.array(pairs)
         ps = problem.predict(pairs)
         best = distinct_best(problem, pairs, ps, 1)
         if best and problem.predict(best[0][None, :])[0] < current_s * (1 - 1e-9):
-            return best[0], len(singles) + len(pairs)
-        return None, len(singles) + len(pairs)
+            return best[0], len(pairs)
+        return None, len(pairs)
