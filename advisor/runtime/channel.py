@@ -11,12 +11,22 @@ of an exchange is left in flight while later jobs are issued, so consecutive buc
 overlap.  What a final round's completion might still send (the non-finite fallback) is
 held back and issued at the iteration's end, after every regular collective, in job order:
 the issue order is a function of the bucket order alone, identical on all ranks.
+
+Why keep finished work handles for an iteration?  A gloo worker thread marks a collective
+done and only then drops its own reference to the work; when it drops the *last* one, the
+work's tensors (which have Python objects) need the GIL to die.  At interpreter shutdown
+that thread is killed inside C++ and the process aborts ("terminate called without an
+active exception", pytorch/pytorch#190489).  Holding each handle until the next iteration
+ends (and, at exit, until after a short pause) makes Python drop the last reference, on a
+thread that holds the GIL while the interpreter is alive.
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
@@ -126,6 +136,9 @@ class OrderedExecutor:
         self._thread: threading.Thread | None = None
         self._name = name
         self._lock = threading.Lock()
+        #: finished work handles of this iteration and the one before (see the module doc)
+        self._retired: list = []
+        self._retired_before: list = []
 
     # --- public -------------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -138,13 +151,17 @@ class OrderedExecutor:
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
                 # Stop the worker before interpreter shutdown: a daemon thread killed inside
-                # a torch call at exit aborts the process ("terminate called ...").
-                weakref.finalize(self, _stop_worker, self._queue, self._thread)
+                # a torch call at exit aborts the process ("terminate called ...").  At exit
+                # _close_at_exit does it; this finalizer covers executors collected earlier.
+                finalizer = weakref.finalize(self, _stop_worker, self._queue, self._thread,
+                                             (self._retired, self._retired_before))
+                finalizer.atexit = False
+                _running.add(self)
         self._queue.put(job)
 
     def close(self) -> None:
         if self._thread is not None:
-            _stop_worker(self._queue, self._thread)
+            _stop_worker(self._queue, self._thread, (self._retired, self._retired_before))
 
     # --- worker -------------------------------------------------------------------
     def _loop(self) -> None:
@@ -173,6 +190,7 @@ class OrderedExecutor:
                     self._in_flight.append(_InFlight(job, exchange, handle, result))
                     break
                 handle.wait()
+                self._retired.append(handle)
                 try:
                     message = exchange.send(result)
                 except StopIteration:
@@ -183,6 +201,7 @@ class OrderedExecutor:
         item = self._in_flight.popleft()
         try:
             item.handle.wait()
+            self._retired.append(item.handle)
             try:
                 fallback = item.exchange.send(item.result)
             except StopIteration:
@@ -201,6 +220,7 @@ class OrderedExecutor:
             try:
                 handle, result = self.channel.issue(message)
                 handle.wait()
+                self._retired.append(handle)
                 try:
                     exchange.send(result)
                 except StopIteration:
@@ -208,6 +228,9 @@ class OrderedExecutor:
                 self._segment_done(job)
             except BaseException as exc:
                 self._fail_all(exc, job)
+        # a whole iteration later, gloo's threads are long done with the older handles
+        self._retired_before[:] = self._retired
+        self._retired.clear()
 
     def _segment_done(self, job: Job) -> None:
         job.remaining -= 1
@@ -223,7 +246,26 @@ class OrderedExecutor:
                 j.future.set_exception(exc)
 
 
-def _stop_worker(jobs: queue.Queue, thread: threading.Thread) -> None:
+def _stop_worker(jobs: queue.Queue, thread: threading.Thread, retired: tuple[list, ...] = ()) -> None:
     if thread.is_alive():
         jobs.put(None)
         thread.join(timeout=30)
+    for handles in retired:
+        handles.clear()
+
+
+_running: weakref.WeakSet[OrderedExecutor] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Stop every worker and release its handles while the interpreter is fully alive."""
+    executors = list(_running)
+    for executor in executors:
+        if executor._thread is not None:
+            _stop_worker(executor._queue, executor._thread)
+    if any(executor._retired or executor._retired_before for executor in executors):
+        time.sleep(0.05)  # let gloo's threads drop their references first (module doc)
+    for executor in executors:
+        executor._retired.clear()
+        executor._retired_before.clear()
