@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from advisor.compressors import REGISTRY, CompressorConfig, SegmentLayout, available, parse
+from advisor.compressors.powersgd import outer_product_
 from advisor.compressors.packing import lane_words, pack_bits, pack_lanes, packed_nbytes, unpack_bits, unpack_lanes
 from advisor.compressors.sparse import stratified_indices, topk_abs_indices
 from advisor.runtime.simulate import SimulatedRanks
@@ -92,6 +93,18 @@ def test_powersgd_recovers_a_low_rank_gradient_after_warm_start():
     for _ in range(3):
         out = sim.exchange(comp, [low_rank, low_rank], layout)[0]
     assert torch.allclose(out, low_rank, atol=1e-4)
+
+
+@pytest.mark.parametrize("rank", [1, 2, 4, 8])
+@pytest.mark.parametrize("shape", [(64, 64), (1024, 512)])
+def test_powersgd_outer_products_match_a_matmul(rank, shape):
+    # large low-rank products go as rank-1 updates on CPU; small or high-rank ones as a matmul
+    gen = torch.Generator().manual_seed(rank)
+    p, qt = torch.randn(shape[0], rank, generator=gen), torch.randn(rank, shape[1], generator=gen)
+    m = torch.randn(shape, generator=gen)
+    out = torch.full(shape, float("nan"))
+    torch.testing.assert_close(outer_product_(p, qt, out), p @ qt, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outer_product_(p, qt, m.clone(), subtract=True), m - p @ qt, rtol=1e-5, atol=1e-5)
 
 
 def test_powersgd_sends_vectors_and_unshrinkable_matrices_uncompressed():

@@ -40,6 +40,34 @@ def orthogonalize_(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     return p
 
 
+#: below this rank, and from this many elements up, CPU outer products go as rank-1 updates
+_RANK1_UPDATES_MAX_RANK = 4
+_RANK1_UPDATES_MIN_NUMEL = 1 << 18
+
+
+def outer_product_(p: torch.Tensor, qt: torch.Tensor, out: torch.Tensor, subtract: bool = False) -> torch.Tensor:
+    """``out = p·qt``, or ``out -= p·qt`` with ``subtract``; ``p`` is (n, r), ``qt`` (r, m).
+
+    Why not always one matmul: on CPU, BLAS sgemm with an inner dimension of 2 to 4 on an
+    out-of-cache matrix runs far below memory speed (measured here on 2048x1024 at rank 4:
+    1.29 ms, against 0.64 ms for four rank-1 updates, and 1.49 ms against 0.29 ms at rank
+    2), while BLAS ger streams the matrix at memory speed.  Small matrices, higher ranks
+    and accelerators keep the matmul, which wins there.
+    """
+    r = p.shape[1]
+    if p.device.type != "cpu" or r > _RANK1_UPDATES_MAX_RANK or out.numel() < _RANK1_UPDATES_MIN_NUMEL:
+        if subtract:
+            return out.addmm_(p, qt, alpha=-1.0)
+        return torch.matmul(p, qt, out=out)
+    alpha = -1.0 if subtract else 1.0
+    for k in range(r):
+        if k == 0 and not subtract:
+            torch.outer(p[:, 0], qt[0], out=out)
+        else:
+            out.addr_(p[:, k], qt[k], alpha=alpha)
+    return out
+
+
 class PowerSGD(Compressor):
     name = "powersgd"
     detects_nonfinite = True  # P = MQ is non-finite iff M is (NaN·0 is NaN)
@@ -130,7 +158,7 @@ class PowerSGD(Compressor):
             qt = q_local[offset_q : offset_q + m * r].view(r, m)
             torch.matmul(p_hat.t(), mat, out=qt)
             if ctx.keep_residual:
-                mat.addmm_(p_hat, qt, alpha=-1.0)
+                outer_product_(p_hat, qt, mat, subtract=True)
             offset_p += n * r
             offset_q += m * r
         if ctx.keep_residual:
@@ -143,7 +171,7 @@ class PowerSGD(Compressor):
         for (i, n, m, r), p_hat in zip(compressed, p_hats):
             qt_mean = summed_q[offset_q : offset_q + m * r].view(r, m)
             qmem[layout.names[i]] = qt_mean.clone()
-            torch.matmul(p_hat, qt_mean, out=views_out[i].view(n, m))
+            outer_product_(p_hat, qt_mean, views_out[i].view(n, m))
             offset_q += m * r
         if dense:
             self._write_dense(dense_sums, 0, dense, views_out, ctx.world_size)
