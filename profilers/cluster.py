@@ -23,7 +23,7 @@ from advisor.compressors import SegmentLayout
 from .compute import LossFn, profile_compute
 from .fidelity import bucket_layout, profile_fidelity
 from .kernels import DEFAULT_CONFIGS, fit_loglog, profile_kernels
-from .network import profile_network
+from .network import profile_network, reduction_dtypes_of
 from .profile import ClusterProfile, Environment, KernelCost, KernelProfile
 
 
@@ -86,7 +86,11 @@ def profile_cluster(
     batches = list(batches) if not isinstance(batches, list) else batches
     environment = _environment(ddp, group, note)
     compute = profile_compute(ddp, loss_fn, batches, optimizer, steps=steps, warmup=warmup, group=group)
-    net = profile_network(group=group, budget_s=network_budget_s) if network else None
+    net = (
+        profile_network(group=group, budget_s=network_budget_s,
+                        reduction_dtypes=reduction_dtypes_of(configs, environment.world_size))
+        if network else None
+    )
     layouts: list[SegmentLayout] = [bucket_layout(b, ddp) for b in compute.buckets]
     kern = None
     if kernels:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -25,11 +26,28 @@ from .profile import CollectiveFit, NetworkProfile
 COLLECTIVES = ("all_reduce", "all_gather", "broadcast")
 MIN_BYTES = 4 << 10
 MAX_BYTES = 64 << 20
+#: element types the candidate compressors' all-reduces sum, besides float32
+REDUCTION_DTYPES = ("float16", "bfloat16", "int8", "int32", "int64")
+REDUCTION_PROBE_BYTES = 1 << 20
 
 
-def _op(collective: str, nbytes: int, group):
+def reduction_dtypes_of(configs: Sequence[str], world_size: int) -> tuple[str, ...]:
+    """The non-float32 element types the all-reduces of ``configs`` sum."""
+    from advisor.compressors import SegmentLayout, parse
+
+    layout = SegmentLayout(("probe.weight",), ((1024, 1024),))
+    found = {
+        w.dtype
+        for c in configs
+        for w in parse(c).build().wire(layout, world_size)
+        if w.collective.is_all_reduce and w.dtype != "float32"
+    }
+    return tuple(sorted(found))
+
+
+def _op(collective: str, nbytes: int, group, dtype: torch.dtype = torch.float32):
     world = dist.get_world_size(group)
-    t = torch.ones(max(1, nbytes // 4))
+    t = torch.ones(max(1, nbytes // torch.empty(0, dtype=dtype).element_size()), dtype=dtype)
     if collective == "all_reduce":
         return lambda: dist.all_reduce(t, group=group)
     if collective == "all_gather":
@@ -58,6 +76,27 @@ def time_collective(collective: str, nbytes: int, repeats: int, group=None) -> l
         op()
         times.append(_slowest(time.perf_counter() - t0, group))
     return times
+
+
+def time_reductions(dtypes: Sequence[str], nbytes: int = REDUCTION_PROBE_BYTES, repeats: int = 3,
+                    group=None) -> dict[str, float]:
+    """Extra seconds per byte of all-reducing each dtype instead of float32, same bytes.
+
+    Ops of each dtype alternate with float32 ops, so drift on a shared machine hits both
+    alike; the same size cancels the latency.  Negative differences (noise) count as 0.
+    """
+    ops = {name: _op("all_reduce", nbytes, group, getattr(torch, name)) for name in ("float32", *dtypes)}
+    for op in ops.values():
+        op()  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(repeats):
+        for name, op in ops.items():
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            op()
+            times[name].append(_slowest(time.perf_counter() - t0, group))
+    base = statistics.median(times["float32"])
+    return {name: max(0.0, (statistics.median(times[name]) - base) / nbytes) for name in dtypes}
 
 
 def algorithm_factor(collective: str, world_size: int) -> float:
@@ -106,8 +145,13 @@ def profile_network(
     repeats: int = 3,
     max_op_s: float = 0.6,
     budget_s: float = 25.0,
+    reduction_dtypes: Sequence[str] = REDUCTION_DTYPES,
 ) -> NetworkProfile:
-    """Measure and fit every collective; call on every rank at the same point."""
+    """Measure and fit every collective; call on every rank at the same point.
+
+    Then, if the budget allows, what summing each of ``reduction_dtypes`` costs over
+    float32 (:func:`time_reductions`).
+    """
     start = time.perf_counter()
     world = dist.get_world_size(group)
     fits = {}
@@ -126,4 +170,11 @@ def profile_network(
                 break
             nbytes *= 2
         fits[collective] = fit_collective(collective, world, points)
-    return NetworkProfile(fits=fits, elapsed_s=time.perf_counter() - start)
+    extra: dict[str, float] = {}
+    if "all_reduce" in fits and reduction_dtypes:
+        probe_s = fits["all_reduce"].predict(REDUCTION_PROBE_BYTES)
+        expected = probe_s * (1 + len(reduction_dtypes)) * 4
+        # every rank decides from the same (all-reduced) numbers
+        if _slowest(time.perf_counter() - start, group) + expected <= budget_s * 1.2:
+            extra = time_reductions(reduction_dtypes, group=group)
+    return NetworkProfile(fits=fits, elapsed_s=time.perf_counter() - start, reduce_s_per_byte=extra)

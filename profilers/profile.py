@@ -95,6 +95,14 @@ class CollectiveFit:
 class NetworkProfile:
     fits: dict[str, CollectiveFit]
     elapsed_s: float
+    #: extra seconds per byte an all-reduce takes when it sums this element type instead
+    #: of float32 (gloo sums float16 element by element through float: several times the
+    #: float32 cost on a fast link), measured at one size next to float32
+    reduce_s_per_byte: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for dtype, extra in self.reduce_s_per_byte.items():
+            _finite(f"reduce_s_per_byte[{dtype}]", extra)
 
 
 def predict_loglog(knots: list[list[float]], numel):

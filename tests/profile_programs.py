@@ -9,11 +9,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from advisor.workloads import Workload, mlp, small_cnn
 from profilers.compute import profile_compute
-from profilers.network import profile_network
+from profilers.network import profile_network, time_reductions
 
 
 def network_only(rank: int, world_size: int):
     return profile_network(collectives=("all_reduce",))
+
+
+def summing_costs(rank: int, world_size: int):
+    return time_reductions(("float16", "int64"), repeats=5)
 
 
 def compute_of(rank: int, world_size: int, which: str):

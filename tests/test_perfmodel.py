@@ -192,3 +192,29 @@ def test_ddp_bucket_copies_delay_backward_and_add_a_tail():
     comm = 8 * numel * 4 / 1e9
     assert t.backward_end_s == pytest.approx(40 * MS + copy)  # copied in on the backward thread
     assert t.iteration_s == pytest.approx(10 * MS + 40 * MS + copy + comm + copy + 2 * MS, rel=0.01)
+
+
+def test_summing_float16_costs_its_measured_extra_per_byte_on_top_of_the_link():
+    numel = 1000 * 1000
+    prof = profile([(numel, 40 * MS)], kernel_s_per_element={"fp16": (1e-9, 1e-9)})
+    plain = PerformanceModel(prof).predict(Plan.uniform("fp16", warmup_steps=0))
+    prof.network.reduce_s_per_byte = {"float16": 5e-9}
+    summed = PerformanceModel(prof).predict(Plan.uniform("fp16", warmup_steps=0))
+    extra = (numel + 1) * 2 * 5e-9  # fp16 payload + flag, 5 ns a byte
+    assert summed.iteration_s - plain.iteration_s == pytest.approx(extra, rel=1e-6)
+    # float32 sums (plan none) pay nothing extra
+    none = Plan.uniform("none", warmup_steps=0)
+    prof.kernels.costs["none"] = prof.kernels.costs["fp16"]
+    assert PerformanceModel(prof).predict(none).iteration_s == pytest.approx(
+        PerformanceModel(profile([(numel, 40 * MS)], kernel_s_per_element={"none": (1e-9, 1e-9)})).predict(none).iteration_s)
+
+
+def test_summing_cost_follows_the_device_and_the_ring_share_not_the_link():
+    numel = 1000 * 1000
+    prof = profile([(numel, 40 * MS)], kernel_s_per_element={"fp16": (1e-9, 1e-9)})
+    prof.network.reduce_s_per_byte = {"float16": 4e-9}
+    base = PerformanceModel(prof).network.reduce_s_per_byte["float16"]
+    assert PerformanceModel(prof, Scenario(compute_speedup=4)).network.reduce_s_per_byte["float16"] == pytest.approx(base / 4)
+    assert PerformanceModel(prof, Scenario(bandwidth_bps=1e8)).network.reduce_s_per_byte["float16"] == pytest.approx(base)
+    # a ring of 8 sums 7/8 of the data on each rank, a ring of 2 half of it
+    assert PerformanceModel(prof, Scenario(world_size=8)).network.reduce_s_per_byte["float16"] == pytest.approx(base * 1.75)

@@ -3,7 +3,8 @@
 
 import pytest
 
-from profilers.network import fit_collective
+from advisor.schema import SchemaError, from_jsonable, to_jsonable
+from profilers.network import fit_collective, reduction_dtypes_of
 from profilers.profile import (
     Bucket,
     ClusterProfile,
@@ -113,3 +114,21 @@ def test_a_slowed_half_of_the_compute_steps_is_dropped():
     assert steady_steps(burst) == [0, 1, 2]
     assert steady_steps([0.06, 0.07, 0.03, 0.03]) == [2, 3]
     assert steady_steps([0.03, 0.09]) == [0, 1]  # too few steps to judge
+
+
+def test_network_profiles_without_summing_costs_still_load():
+    doc = NetworkProfile({"all_reduce": fit_collective("all_reduce", 2, [(4096, 1e-4), (1 << 20, 1e-2)])}, 1.0,
+                         {"float16": 3e-9})
+    data = to_jsonable(doc)
+    assert from_jsonable(NetworkProfile, data).reduce_s_per_byte == {"float16": 3e-9}
+    del data["reduce_s_per_byte"]
+    assert from_jsonable(NetworkProfile, data).reduce_s_per_byte == {}
+    with pytest.raises(SchemaError, match="reduce_s_per_byte"):
+        from_jsonable(NetworkProfile, {**data, "reduce_s_per_byte": {"float16": -1.0}})
+
+
+def test_the_summed_types_are_those_the_candidates_all_reduce():
+    configs = ["none", "fp16", "bf16", "powersgd(rank=4)", "intquant(bits=8)", "intquant(bits=4, packed=0)", "topk(ratio=0.01)"]
+    # intquant packs into int64 lanes; unpacked 4-bit codes plus a headroom bit sum in int8
+    assert reduction_dtypes_of(configs, 2) == ("bfloat16", "float16", "int64", "int8")
+    assert reduction_dtypes_of(["none", "topk(ratio=0.01)"], 2) == ()

@@ -64,12 +64,22 @@ class Message:
         return self.tensor.numel() * self.tensor.element_size()
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float16`` -> ``"float16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True)
 class WireSpec:
-    """Static description of one message, for byte accounting and the performance model."""
+    """Static description of one message, for byte accounting and the performance model.
+
+    ``dtype`` is the element type a reduction adds up (a torch dtype's name): summing
+    float16 costs gloo several times what float32 does per byte, which the model needs.
+    """
 
     collective: Collective
     nbytes: int
+    dtype: str = "float32"
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Collective, Compressor, Exchange, Message, SegmentLayout, WireSpec, is_finite
+from .base import Collective, Compressor, Exchange, Message, SegmentLayout, WireSpec, dtype_name, is_finite
 
 
 class NoCompression(Compressor):
@@ -60,7 +60,7 @@ class _Cast(Compressor):
         out.copy_(summed)
 
     def wire(self, layout: SegmentLayout, world_size: int) -> list[WireSpec]:
-        return [WireSpec(Collective.ALL_REDUCE_SUM, (layout.numel + 1) * 2)]
+        return [WireSpec(Collective.ALL_REDUCE_SUM, (layout.numel + 1) * 2, dtype_name(self.dtype))]
 
 
 class Fp16(_Cast):

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .base import Collective, Compressor, Exchange, ExchangeContext, Message, SegmentLayout, WireSpec, chunk_count, stable_hash
+from .base import Collective, Compressor, Exchange, ExchangeContext, Message, SegmentLayout, WireSpec, chunk_count, dtype_name, stable_hash
 from .packing import lane_words, lanes_per_word, pack_bits, pack_lanes, packed_nbytes, unpack_bits, unpack_lanes
 
 CHUNK = 1024
@@ -277,12 +277,14 @@ class IntQuant(Compressor):
     def wire(self, layout: SegmentLayout, world_size: int) -> list[WireSpec]:
         chunks = chunk_count(layout.numel, CHUNK)
         if self.packed:
+            dtype = torch.int64
             second = lane_words(layout.numel, self.lane_bits(world_size)) * 8
         else:
-            second = layout.numel * _dtype_bits(summing_dtype(self.lane_bits(world_size))) // 8
+            dtype = summing_dtype(self.lane_bits(world_size))
+            second = layout.numel * _dtype_bits(dtype) // 8
         return [
             WireSpec(Collective.ALL_REDUCE_MAX, (chunks + 1) * 4),
-            WireSpec(Collective.ALL_REDUCE_SUM, second),
+            WireSpec(Collective.ALL_REDUCE_SUM, second, dtype_name(dtype)),
         ]
 
     def _exchange_unpacked(self, inp, out, rows, shared, layout, ctx) -> Exchange:

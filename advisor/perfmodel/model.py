@@ -62,16 +62,28 @@ class Scenario:
             raise ValueError(f"compute_speedup={self.compute_speedup!r}; allowed: > 0")
 
 
+def _ring_share(p: int) -> float:
+    return (p - 1) / p if p > 1 else 0.0
+
+
 class NetworkModel:
     """Per-link latency and bandwidth behind each collective, at any world size.
 
     From a fit at ``p0`` workers: ring all-reduce ``t = 2(p-1)·α + 2(p-1)/p·8b/BW``,
     all-gather ``t = (p-1)·α + (p-1)·8b/BW`` (b = one rank's bytes), so α and BW are the
-    fit's latency and bandwidth with the algorithm's factors taken out.
+    fit's latency and bandwidth with the algorithm's factors taken out.  An all-reduce
+    that sums another type than float32 adds its measured extra summing cost per byte.
     """
 
-    def __init__(self, fits: Mapping, profiled_world: int, scenario: Scenario) -> None:
+    def __init__(self, fits: Mapping, profiled_world: int, scenario: Scenario,
+                 reduce_s_per_byte: Mapping[str, float] | None = None) -> None:
         self.world = scenario.world_size or profiled_world
+        # Summing is work on each rank (a share (p-1)/p of the data in a ring), not link
+        # time: it scales with the device, not with the scenario's bandwidth.
+        rescale = _ring_share(self.world) / _ring_share(profiled_world) if profiled_world > 1 else 1.0
+        self.reduce_s_per_byte = {
+            dtype: extra * rescale / scenario.compute_speedup for dtype, extra in (reduce_s_per_byte or {}).items()
+        }
         self.links: dict[str, tuple[float, float]] = {}
         for name, hops in (("all_reduce", lambda p: 2 * (p - 1)), ("all_gather", lambda p: p - 1)):
             fit = fits.get(name)
@@ -88,7 +100,7 @@ class NetworkModel:
             raise ValueError("the profile has no all-reduce fit; profile the network (advisor profile --network)")
         self.links.setdefault("all_gather", self.links["all_reduce"])
 
-    def seconds(self, collective: Collective, nbytes) -> np.ndarray:
+    def seconds(self, collective: Collective, nbytes, dtype: str = "float32") -> np.ndarray:
         p = self.world
         nbytes = np.asarray(nbytes, dtype=np.float64)
         if p <= 1:
@@ -97,7 +109,8 @@ class NetworkModel:
             alpha, bw = self.links["all_gather"]
             return (p - 1) * alpha + (p - 1) * 8.0 * nbytes / bw
         alpha, bw = self.links["all_reduce"]
-        return 2 * (p - 1) * alpha + 2.0 * (p - 1) / p * 8.0 * nbytes / bw
+        summing = nbytes * self.reduce_s_per_byte.get(dtype, 0.0)
+        return 2 * (p - 1) * alpha + 2.0 * (p - 1) / p * 8.0 * nbytes / bw + summing
 
 
 @dataclass
@@ -125,7 +138,8 @@ class PerformanceModel:
         speed = self.scenario.compute_speedup
         if profile.network is None:
             raise ValueError("the profile has no network measurements; profile again with the network profiler on")
-        self.network = NetworkModel(profile.network.fits, profile.environment.world_size, self.scenario)
+        self.network = NetworkModel(profile.network.fits, profile.environment.world_size, self.scenario,
+                                    profile.network.reduce_s_per_byte)
         ready = {p.name: p.ready_s / speed for p in compute.parameters}
         shapes = {p.name: tuple(p.shape) for p in compute.parameters}
         self.buckets = sorted(compute.buckets, key=lambda b: max(ready[n] for n in b.parameters))
@@ -163,7 +177,7 @@ class PerformanceModel:
     def segment_cost(self, config: CompressorConfig, layout: SegmentLayout) -> tuple[float, float, float, int]:
         comp = config.build()
         wires = comp.wire(layout, self.world)
-        comm = float(sum(self.network.seconds(w.collective, w.nbytes) for w in wires))
+        comm = float(sum(self.network.seconds(w.collective, w.nbytes, w.dtype) for w in wires))
         enc, dec = self._kernel_seconds(config, layout.numel)
         return enc, comm, dec, sum(w.nbytes for w in wires)
 
