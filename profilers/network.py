@@ -28,7 +28,10 @@ MIN_BYTES = 4 << 10
 MAX_BYTES = 64 << 20
 #: element types the candidate compressors' all-reduces sum, besides float32
 REDUCTION_DTYPES = ("float16", "bfloat16", "int8", "int32", "int64")
-REDUCTION_PROBE_BYTES = 1 << 20
+REDUCTION_PROBE_BYTES = (1 << 20, 8 << 20)
+#: a probe op should last about this long: long enough that summing shows above the
+#: scheduling jitter of a fast link (milliseconds here), short enough on a slow one
+REDUCTION_PROBE_S = 0.01
 
 
 def reduction_dtypes_of(configs: Sequence[str], world_size: int) -> tuple[str, ...]:
@@ -78,25 +81,36 @@ def time_collective(collective: str, nbytes: int, repeats: int, group=None) -> l
     return times
 
 
-def time_reductions(dtypes: Sequence[str], nbytes: int = REDUCTION_PROBE_BYTES, repeats: int = 3,
+def time_reductions(dtypes: Sequence[str], nbytes: int = REDUCTION_PROBE_BYTES[1], repeats: int = 7,
                     group=None) -> dict[str, float]:
     """Extra seconds per byte of all-reducing each dtype instead of float32, same bytes.
 
-    Ops of each dtype alternate with float32 ops, so drift on a shared machine hits both
-    alike; the same size cancels the latency.  Negative differences (noise) count as 0.
+    Each op of a dtype is paired with a float32 op just before it, so drift on a shared
+    machine hits both alike, and the same size cancels the latency.  A dtype counts as
+    dearer only when nearly every pair says so (a sign test: all but one of ``repeats``);
+    on a slow link, where gloo's summing hides behind the transfer, the differences are
+    noise either way and the extra cost is 0.
     """
     ops = {name: _op("all_reduce", nbytes, group, getattr(torch, name)) for name in ("float32", *dtypes)}
     for op in ops.values():
         op()  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in ops}
+
+    def timed(op) -> float:
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        op()
+        return _slowest(time.perf_counter() - t0, group)
+
+    differences: dict[str, list[float]] = {name: [] for name in dtypes}
     for _ in range(repeats):
-        for name, op in ops.items():
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            op()
-            times[name].append(_slowest(time.perf_counter() - t0, group))
-    base = statistics.median(times["float32"])
-    return {name: max(0.0, (statistics.median(times[name]) - base) / nbytes) for name in dtypes}
+        for name in dtypes:
+            base = timed(ops["float32"])
+            differences[name].append(timed(ops[name]) - base)
+    extra = {}
+    for name, diffs in differences.items():
+        dearer = sum(d > 0 for d in diffs) >= len(diffs) - 1
+        extra[name] = statistics.median(diffs) / nbytes if dearer else 0.0
+    return extra
 
 
 def algorithm_factor(collective: str, world_size: int) -> float:
@@ -172,9 +186,13 @@ def profile_network(
         fits[collective] = fit_collective(collective, world, points)
     extra: dict[str, float] = {}
     if "all_reduce" in fits and reduction_dtypes:
-        probe_s = fits["all_reduce"].predict(REDUCTION_PROBE_BYTES)
-        expected = probe_s * (1 + len(reduction_dtypes)) * 4
+        fit = fits["all_reduce"]
+        low, high = REDUCTION_PROBE_BYTES
+        nbytes = low
+        while nbytes < high and fit.predict(2 * nbytes) <= REDUCTION_PROBE_S:
+            nbytes *= 2
+        expected = fit.predict(nbytes) * 2 * len(reduction_dtypes) * 8
         # every rank decides from the same (all-reduced) numbers
         if _slowest(time.perf_counter() - start, group) + expected <= budget_s * 1.2:
-            extra = time_reductions(reduction_dtypes, group=group)
+            extra = time_reductions(reduction_dtypes, nbytes, group=group)
     return NetworkProfile(fits=fits, elapsed_s=time.perf_counter() - start, reduce_s_per_byte=extra)
