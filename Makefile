@@ -39,6 +39,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PYTHON) benchmarks/compressors.py
 	$(PYTHON) benchmarks/hook_overhead.py
+	$(PYTHON) benchmarks/kernel_model.py
 	$(PYTHON) benchmarks/perfmodel_speed.py
 	$(PYTHON) benchmarks/policy_speed.py
 	$(VENV)/bin/advisor bench --out bench.json --measurements measurements.json
