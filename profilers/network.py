@@ -191,8 +191,10 @@ def profile_network(
         nbytes = low
         while nbytes < high and fit.predict(2 * nbytes) <= REDUCTION_PROBE_S:
             nbytes *= 2
-        expected = fit.predict(nbytes) * 2 * len(reduction_dtypes) * 8
+        # 7 timed pairs and a warm-up per type, each op with its barrier and its max
+        per_op = fit.predict(nbytes) + 2 * fit.predict(4)
+        expected = per_op * (2 * 7 + 1) * (1 + len(reduction_dtypes))
         # every rank decides from the same (all-reduced) numbers
-        if _slowest(time.perf_counter() - start, group) + expected <= budget_s * 1.2:
+        if _slowest(time.perf_counter() - start, group) + expected <= budget_s:
             extra = time_reductions(reduction_dtypes, nbytes, group=group)
     return NetworkProfile(fits=fits, elapsed_s=time.perf_counter() - start, reduce_s_per_byte=extra)
