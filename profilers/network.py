@@ -50,7 +50,7 @@ def reduction_dtypes_of(configs: Sequence[str], world_size: int) -> tuple[str, .
 
 def _op(collective: str, nbytes: int, group, dtype: torch.dtype = torch.float32):
     world = dist.get_world_size(group)
-    t = torch.ones(max(1, nbytes // torch.empty(0, dtype=dtype).element_size()), dtype=dtype)
+    t = torch.ones(max(1, nbytes // dtype.itemsize), dtype=dtype)
     if collective == "all_reduce":
         return lambda: dist.all_reduce(t, group=group)
     if collective == "all_gather":
@@ -68,17 +68,19 @@ def _slowest(seconds: float, group) -> float:
     return float(t)
 
 
+def _timed(op, group) -> float:
+    """Seconds of one op started after a barrier, as the slowest rank saw it."""
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    op()
+    return _slowest(time.perf_counter() - t0, group)
+
+
 def time_collective(collective: str, nbytes: int, repeats: int, group=None) -> list[float]:
     """Seconds of each timed op, as the slowest rank saw it."""
     op = _op(collective, nbytes, group)
     op()  # warm-up: connections, buffers
-    times = []
-    for _ in range(repeats):
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        op()
-        times.append(_slowest(time.perf_counter() - t0, group))
-    return times
+    return [_timed(op, group) for _ in range(repeats)]
 
 
 def time_reductions(dtypes: Sequence[str], nbytes: int = REDUCTION_PROBE_BYTES[1], repeats: int = 7,
@@ -94,18 +96,11 @@ def time_reductions(dtypes: Sequence[str], nbytes: int = REDUCTION_PROBE_BYTES[1
     ops = {name: _op("all_reduce", nbytes, group, getattr(torch, name)) for name in ("float32", *dtypes)}
     for op in ops.values():
         op()  # warm-up
-
-    def timed(op) -> float:
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        op()
-        return _slowest(time.perf_counter() - t0, group)
-
     differences: dict[str, list[float]] = {name: [] for name in dtypes}
     for _ in range(repeats):
         for name in dtypes:
-            base = timed(ops["float32"])
-            differences[name].append(timed(ops[name]) - base)
+            base = _timed(ops["float32"], group)
+            differences[name].append(_timed(ops[name], group) - base)
     extra = {}
     for name, diffs in differences.items():
         dearer = sum(d > 0 for d in diffs) >= len(diffs) - 1
