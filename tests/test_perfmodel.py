@@ -218,3 +218,26 @@ def test_summing_cost_follows_the_device_and_the_ring_share_not_the_link():
     assert PerformanceModel(prof, Scenario(bandwidth_bps=1e8)).network.reduce_s_per_byte["float16"] == pytest.approx(base)
     # a ring of 8 sums 7/8 of the data on each rank, a ring of 2 half of it
     assert PerformanceModel(prof, Scenario(world_size=8)).network.reduce_s_per_byte["float16"] == pytest.approx(base * 1.75)
+
+
+def test_calibration_recovers_a_known_per_round_cost_and_overlap():
+    per = {c: (1e-9, 1e-9) for c in ("none", "fp16", "powersgd(rank=4)", "topk(ratio=0.01)")}
+    prof = profile([(1000 * 1000, 20 * MS), (1000 * 1000, 40 * MS)], kernel_s_per_element=per)
+    plans = [Plan.uniform(c, warmup_steps=0) for c in per]  # 1 round each, PowerSGD 2
+    truth = PerformanceModel(prof, overlap=1.1, round_s=2e-3)
+    measured = [truth.predict(p).iteration_s for p in plans]
+    model = PerformanceModel(prof)
+    assert model.calibrate(plans, measured) == pytest.approx(1.1, rel=1e-3)
+    assert model.round_s == pytest.approx(2e-3)
+    assert [model.predict(p).iteration_s for p in plans] == pytest.approx(measured, rel=1e-6)
+
+
+def test_every_synchronous_round_costs_round_s():
+    per = {"powersgd(rank=4)": (1e-9, 1e-9), "fp16": (1e-9, 1e-9)}
+    prof = profile([(1000 * 1000, 40 * MS)], kernel_s_per_element=per)
+    for config, rounds in (("fp16", 1), ("powersgd(rank=4)", 2)):
+        plan = Plan.uniform(config, warmup_steps=0)
+        base = PerformanceModel(prof).predict(plan).iteration_s
+        assert PerformanceModel(prof, round_s=3e-3).predict(plan).iteration_s - base == pytest.approx(rounds * 3e-3)
+    with pytest.raises(ValueError, match="round_s"):
+        PerformanceModel(prof, round_s=-1.0)

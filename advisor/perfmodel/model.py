@@ -15,9 +15,12 @@ and decode):
   and every averaged bucket back into the gradients at the end, at the measured copy rate;
 * the optimizer runs when backward and every decode are done.
 
-One calibration factor, ``overlap``, stretches the backward-and-communication part to
-match measurements (imperfect overlap); :meth:`PerformanceModel.calibrate` learns it
-from measured step times, it is not guessed (1.0 until then).
+Two calibration terms are learned from measured step times by
+:meth:`PerformanceModel.calibrate`, not guessed: ``overlap`` stretches the
+backward-and-communication part (imperfect overlap; 1.0 until calibrated), and
+``round_s`` is a fixed cost of every synchronous message round beyond the network fit
+(a rank waits for its peers' threads to be scheduled, which a fit measured on an idle
+device does not see; 0 until calibrated).
 
 Everything is vectorised over plans: ``predict_many`` takes a (plans x buckets) matrix of
 config indices and loops over buckets only.
@@ -127,12 +130,16 @@ class CandidateCosts:
 class PerformanceModel:
     """Predict iteration timelines from a :class:`profilers.profile.ClusterProfile`."""
 
-    def __init__(self, profile, scenario: Scenario | None = None, overlap: float = 1.0) -> None:
+    def __init__(self, profile, scenario: Scenario | None = None, overlap: float = 1.0,
+                 round_s: float = 0.0) -> None:
         self.profile = profile
         self.scenario = scenario or Scenario()
         if not overlap > 0:
             raise ValueError(f"overlap={overlap!r}; allowed: > 0")
+        if not (math.isfinite(round_s) and round_s >= 0):
+            raise ValueError(f"round_s={round_s!r}; allowed: a finite number >= 0")
         self.overlap = overlap
+        self.round_s = round_s
         compute = profile.compute
         self.world = self.scenario.world_size or profile.environment.world_size
         speed = self.scenario.compute_speedup
@@ -178,6 +185,8 @@ class PerformanceModel:
         comp = config.build()
         wires = comp.wire(layout, self.world)
         comm = float(sum(self.network.seconds(w.collective, w.nbytes, w.dtype) for w in wires))
+        if self.world > 1:
+            comm += self.round_s * len(wires)
         enc, dec = self._kernel_seconds(config, layout.numel)
         return enc, comm, dec, sum(w.nbytes for w in wires)
 
@@ -256,21 +265,35 @@ class PerformanceModel:
         )
 
     # --- calibration ----------------------------------------------------------------
+    #: per-round costs tried by :meth:`calibrate` (seconds)
+    ROUND_GRID_S = tuple(i * 0.25e-3 for i in range(41))
+
     def calibrate(self, plans: Sequence[Plan], measured_s: Sequence[float]) -> float:
-        """Learn ``overlap`` from measured step times (least squares, closed form)."""
+        """Learn ``round_s`` and ``overlap`` from measured step times; returns ``overlap``.
+
+        Least squares: for each ``round_s`` on a grid (0 to 10 ms; the replay is not
+        linear in it), ``overlap`` in closed form; the pair with the smallest squared
+        error wins.  With a single plan only ``overlap`` is learned (``round_s`` = 0).
+        """
         if len(plans) != len(measured_s) or not plans:
             raise ValueError("calibrate needs one measured step time per plan, and at least one plan")
-        saved, self.overlap = self.overlap, 1.0
-        try:
-            ends = np.array([self.predict(p).iteration_s - self.forward_s - self.optimizer_s for p in plans])
-        finally:
-            self.overlap = saved
         target = np.asarray(measured_s, dtype=np.float64) - self.forward_s - self.optimizer_s
-        overlap = float(np.dot(ends, target) / max(np.dot(ends, ends), 1e-18))
-        if not math.isfinite(overlap) or overlap <= 0:
-            raise ValueError(f"calibration gave overlap={overlap}; the measurements do not fit this profile")
-        self.overlap = overlap
-        return overlap
+        saved = self.overlap, self.round_s
+        best = None
+        try:
+            for round_s in self.ROUND_GRID_S if len(plans) > 1 else (0.0,):
+                self.overlap, self.round_s = 1.0, round_s
+                ends = np.array([self.predict(p).iteration_s - self.forward_s - self.optimizer_s for p in plans])
+                overlap = float(np.dot(ends, target) / max(np.dot(ends, ends), 1e-18))
+                error = float(np.sum((overlap * ends - target) ** 2))
+                if math.isfinite(overlap) and overlap > 0 and (best is None or error < best[0]):
+                    best = (error, overlap, round_s)
+        finally:
+            self.overlap, self.round_s = saved
+        if best is None:
+            raise ValueError("calibration found no positive overlap factor; the measurements do not fit this profile")
+        _, self.overlap, self.round_s = best
+        return self.overlap
 
 
 def _segments(layout: SegmentLayout, plan: Plan) -> list[tuple[SegmentLayout, CompressorConfig]]:
