@@ -7,8 +7,9 @@ rates (100 Mbit/s, 1 Gbit/s, unshaped) on a 2-host emulated cluster: profile onc
 5 plans (fp32, fp16, PowerSGD rank 4 everywhere, top-k 1% everywhere, mixed: PowerSGD on
 the largest bucket and fp16 elsewhere), then measure each plan's real step time with the
 hook installed.  Prints |predicted - measured| / measured per plan, uncalibrated and with
-the overlap factor learned leave-one-out (from the other 4 plans of the same model and
-rate), and the Spearman rank correlation of predicted vs measured order.
+the calibration (overlap factor and per-round cost) learned leave-one-out from the other 4
+plans of the same model and rate (and, for comparison, the overlap factor alone), and the
+Spearman rank correlation of predicted vs measured order.
 Targets: median error <= 10%, worst <= 25%, Spearman >= 0.9 per model and rate.
 """
 
@@ -81,17 +82,21 @@ def evaluate(profile, measured: dict[str, float]) -> dict:
     plans = plans_for(profile)
     model = PerformanceModel(profile)
     raw = {n: model.predict(p).iteration_s for n, p in plans.items()}
-    loo = {}
+    loo, loo_overlap = {}, {}
     for name in plans:
         others = [n for n in plans if n != name]
-        m = PerformanceModel(profile)
-        m.calibrate([plans[n] for n in others], [measured[n] for n in others])
-        loo[name] = m.predict(plans[name]).iteration_s
+        for out, grid in ((loo, PerformanceModel.ROUND_GRID_S), (loo_overlap, (0.0,))):
+            m = PerformanceModel(profile)
+            m.ROUND_GRID_S = grid  # (0.0,): the overlap factor alone, for comparison
+            m.calibrate([plans[n] for n in others], [measured[n] for n in others])
+            out[name] = m.predict(plans[name]).iteration_s
     err = {n: abs(raw[n] - measured[n]) / measured[n] for n in plans}
     err_loo = {n: abs(loo[n] - measured[n]) / measured[n] for n in plans}
+    err_overlap = {n: abs(loo_overlap[n] - measured[n]) / measured[n] for n in plans}
     names = list(plans)
     rho = spearmanr([raw[n] for n in names], [measured[n] for n in names]).statistic
     return {"measured": measured, "predicted": raw, "predicted_loo": loo, "error": err, "error_loo": err_loo,
+            "error_overlap_only": err_overlap,
             "spearman": float(rho), "compute_only_s": model.compute_only_s}
 
 
@@ -106,7 +111,7 @@ def main(argv=None) -> int:
     if reason:
         print(f"skipped: {reason}")
         return 0
-    rows, all_err, all_loo = [], [], []
+    rows, all_err, all_loo, all_overlap = [], [], [], []
     for spec in args.models.split(","):
         for rate_name in args.rates.split(","):
             rate = None if rate_name == "unshaped" else rate_name
@@ -117,6 +122,7 @@ def main(argv=None) -> int:
             rows.append(res)
             all_err += list(res["error"].values())
             all_loo += list(res["error_loo"].values())
+            all_overlap += list(res["error_overlap_only"].values())
             print(f"\n{res['model']} @ {rate_name}: compute-only {res['compute_only_s'] * 1e3:.1f} ms, "
                   f"Spearman {res['spearman']:.2f}")
             print(f"  {'plan':10s} {'measured':>9s} {'predicted':>9s} {'error':>7s} {'calib.':>9s} {'error':>7s}")
@@ -125,6 +131,8 @@ def main(argv=None) -> int:
                       f"{res['error'][n]:7.1%} {res['predicted_loo'][n] * 1e3:8.1f}ms {res['error_loo'][n]:7.1%}")
     print(f"\nuncalibrated: median error {statistics.median(all_err):.1%}, worst {max(all_err):.1%}")
     print(f"calibrated (leave-one-out): median error {statistics.median(all_loo):.1%}, worst {max(all_loo):.1%}")
+    print(f"  (the overlap factor alone, same measurements: median {statistics.median(all_overlap):.1%}, "
+          f"worst {max(all_overlap):.1%})")
     print(f"Spearman per model and rate: {[round(r['spearman'], 2) for r in rows]}")
     if args.json:
         with open(args.json, "w") as fh:
