@@ -32,6 +32,8 @@ REDUCTION_PROBE_BYTES = (1 << 20, 8 << 20)
 #: a probe op should last about this long: long enough that summing shows above the
 #: scheduling jitter of a fast link (milliseconds here), short enough on a slow one
 REDUCTION_PROBE_S = 0.01
+#: float32/dtype op pairs timed per type by :func:`time_reductions`
+REDUCTION_PAIRS = 7
 
 
 def reduction_dtypes_of(configs: Sequence[str], world_size: int) -> tuple[str, ...]:
@@ -83,7 +85,7 @@ def time_collective(collective: str, nbytes: int, repeats: int, group=None) -> l
     return [_timed(op, group) for _ in range(repeats)]
 
 
-def time_reductions(dtypes: Sequence[str], nbytes: int = REDUCTION_PROBE_BYTES[1], repeats: int = 7,
+def time_reductions(dtypes: Sequence[str], nbytes: int = REDUCTION_PROBE_BYTES[1], repeats: int = REDUCTION_PAIRS,
                     group=None) -> dict[str, float]:
     """Extra seconds per byte of all-reducing each dtype instead of float32, same bytes.
 
@@ -186,9 +188,9 @@ def profile_network(
         nbytes = low
         while nbytes < high and fit.predict(2 * nbytes) <= REDUCTION_PROBE_S:
             nbytes *= 2
-        # 7 timed pairs and a warm-up per type, each op with its barrier and its max
+        # the timed pairs and a warm-up per type, each op with its barrier and its max
         per_op = fit.predict(nbytes) + 2 * fit.predict(4)
-        expected = per_op * (2 * 7 + 1) * (1 + len(reduction_dtypes))
+        expected = per_op * (2 * REDUCTION_PAIRS + 1) * (1 + len(reduction_dtypes))
         # every rank decides from the same (all-reduced) numbers
         if _slowest(time.perf_counter() - start, group) + expected <= budget_s:
             extra = time_reductions(reduction_dtypes, nbytes, group=group)

@@ -113,7 +113,7 @@ class NetworkModel:
             return (p - 1) * alpha + (p - 1) * 8.0 * nbytes / bw
         alpha, bw = self.links["all_reduce"]
         summing = nbytes * self.reduce_s_per_byte.get(dtype, 0.0)
-        return 2 * (p - 1) * alpha + 2.0 * (p - 1) / p * 8.0 * nbytes / bw + summing
+        return 2 * (p - 1) * alpha + 2.0 * _ring_share(p) * 8.0 * nbytes / bw + summing
 
 
 @dataclass
