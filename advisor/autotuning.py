@@ -48,9 +48,11 @@ from .schema import check_int
 
 log = logging.getLogger("advisor.autotune")
 
+#: Several PowerSGD ranks, so buckets can trade accuracy between them under one budget
+#: (L-GreCo): a cheap rank on a big bucket paid for by a precise config on a small one.
 DEFAULT_CANDIDATES = (
-    "none", "fp16", "bf16", "powersgd(rank=1)", "powersgd(rank=4)", "topk(ratio=0.01)",
-    "intquant(bits=8, packed=0)",
+    "none", "fp16", "bf16", "powersgd(rank=1)", "powersgd(rank=2)", "powersgd(rank=4)",
+    "powersgd(rank=8)", "topk(ratio=0.01)", "intquant(bits=8, packed=0)",
 )
 POLICIES = ("optuna", "greedy")
 

@@ -13,7 +13,12 @@ removed on exit, even when a rank fails.
     with EmulatedCluster(hosts=2, rate="1gbit") as cluster:
         results = cluster.run(my_fn, args=(...,))
 
-Compute is shared: all ranks run on this machine's cores (BACKGROUND.md section 4).
+Compute is shared: all ranks run on this machine's cores (BACKGROUND.md section 4).  When
+there are at least as many cores as hosts, each host's process (all its threads) is pinned
+to its own cores, as on separate machines: unpinned, the scheduler moves ranks' compute,
+communication and gloo threads across the shared cores, and every synchronisation point
+pays for the ranks' collisions (measured on 2 cores, MLP at 1 Gbit/s, PowerSGD rank 4:
+57.8 ms a step unpinned, 52.0 pinned; the compute-only floor 29 ms either way).
 """
 
 from __future__ import annotations
@@ -83,6 +88,8 @@ class EmulatedCluster:
     hosts: int = 2
     rate: str | float | None = "1gbit"
     delay_ms: float = 0.0
+    #: give each host its own cores, as separate machines have (when there are enough)
+    pin_cores: bool = True
     subnet: int = field(default_factory=lambda: 16 + uuid.uuid4().int % 200)
     _tag: str = field(default_factory=lambda: uuid.uuid4().hex[:6], repr=False)
     _up: bool = field(default=False, repr=False)
@@ -202,6 +209,7 @@ class EmulatedCluster:
             # TORCH_CPP_LOG_LEVEL: c10d warns that namespaced hosts have no hostname
             env={"GLOO_SOCKET_IFNAME": self.interface, "TORCH_CPP_LOG_LEVEL": "ERROR"},
             netns=[self.host(i) for i in range(self.hosts)],
+            pin=self.pin_cores,
         )
 
     def describe(self) -> str:

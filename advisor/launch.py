@@ -60,6 +60,28 @@ def enter_netns(name: str) -> None:
         os.close(fd)
 
 
+def core_shares(world_size: int, cores: Sequence[int] | None = None) -> list[set[int]] | None:
+    """Disjoint sets of cores, one a rank, as even as possible; None if there are too few.
+
+    ``cores`` defaults to the cores this process may run on.
+    """
+    cores = sorted(os.sched_getaffinity(0) if cores is None else cores)
+    per_rank = len(cores) // world_size
+    if per_rank < 1:
+        return None
+    return [set(cores[r * per_rank : (r + 1) * per_rank]) for r in range(world_size)]
+
+
+def pin_process(cores: set[int]) -> None:
+    """Restrict every thread of this process (and threads it starts later) to ``cores``."""
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cores)
+        except (ProcessLookupError, PermissionError):  # a thread that just ended
+            pass
+    os.sched_setaffinity(0, cores)
+
+
 def _rank_entry(
     rank: int,
     fn: Callable[..., Any],
@@ -72,7 +94,10 @@ def _rank_entry(
     timeout_s: float,
     env: Mapping[str, str],
     netns: Sequence[str] | None,
+    shares: Sequence[set[int]] | None = None,
 ) -> None:
+    if shares:
+        pin_process(shares[rank])
     if netns:
         enter_netns(netns[rank])
     os.environ.update(env)
@@ -186,16 +211,20 @@ def launch_local(
     addr: str = "127.0.0.1",
     env: Mapping[str, str] | None = None,
     netns: Sequence[str] | None = None,
+    pin: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
 
     ``fn`` must be importable (defined at module level).  Returns the ranks' return values
     in rank order.  ``netns`` places rank i in network namespace ``netns[i]`` (the
-    emulated cluster); ``addr`` is then rank 0's address there.
+    emulated cluster); ``addr`` is then rank 0's address there.  ``pin`` gives each rank
+    its own cores (:func:`core_shares`) when there are at least as many cores as ranks,
+    as separate machines have; with fewer cores the ranks share them all.
     """
+    shares = core_shares(world_size) if pin else None
     for attempt in range(3):
         try:
-            return _launch_once(fn, world_size, args, timeout, threads, addr, env, netns)
+            return _launch_once(fn, world_size, args, timeout, threads, addr, env, netns, shares)
         except RankFailed as exc:
             # The free port was taken between asking for it and binding it: pick another.
             if "Address already in use" not in str(exc) or attempt == 2:
@@ -212,6 +241,7 @@ def _launch_once(
     addr: str,
     env: Mapping[str, str] | None = None,
     netns: Sequence[str] | None = None,
+    shares: list[set[int]] | None = None,
 ) -> list[Any]:
     if world_size < 1:
         raise ValueError(f"world_size={world_size}; allowed: an integer >= 1")
@@ -223,7 +253,7 @@ def _launch_once(
         ctx = mp.start_processes(
             _rank_entry,
             args=(fn, world_size, addr, port, tuple(args), result_dir, threads, timeout, dict(env or {}),
-                  list(netns) if netns else None),
+                  list(netns) if netns else None, shares),
             nprocs=world_size,
             join=False,
             start_method="spawn",

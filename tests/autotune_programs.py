@@ -141,3 +141,15 @@ def bad_wrap_arguments(rank: int, world_size: int):
     hook = advisor.install(ddp, Plan.uniform("fp16"))  # still possible: nothing was registered
     hook.close()
     return messages
+
+
+def shadow_buckets(rank: int, world_size: int, ddp_kwargs: dict):
+    """The bucket layouts of a DDP model and of the shadow copy plans are measured on."""
+    from advisor.live import shadow_of
+    from profilers.compute import ddp_buckets
+
+    workload = medium_mlp()
+    ddp = DDP(workload.model, **ddp_kwargs)
+    shadow, _ = shadow_of(ddp, None)
+    batch = list(workload.batches)[0]
+    return [[b.parameters for b in ddp_buckets(m, workload.loss_fn, batch)] for m in (ddp, shadow)]

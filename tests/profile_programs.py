@@ -40,3 +40,10 @@ def failing_factory() -> Workload:
     if os.environ.get("RANK") == "1":
         raise RuntimeError("rank 1 cannot build its model")
     return mlp()
+
+
+def rank_cores(rank: int, world_size: int):
+    """The cores every thread of this rank may run on (gloo's included)."""
+    import os
+
+    return sorted(set().union(*(os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task"))))

@@ -10,7 +10,7 @@ import advisor
 from advisor.emulated import EmulatedCluster, unavailable_reason
 from advisor.launch import launch_local
 from advisor.report import AutotuneResult
-from autotune_programs import tune_and_train
+from autotune_programs import shadow_buckets, tune_and_train
 
 
 def test_autotune_on_loopback_agrees_on_every_rank_and_leaves_the_model_untouched(tmp_path):
@@ -136,3 +136,19 @@ def test_advisor_autotune_stays_the_function_after_its_module_is_imported():
     for _ in range(2):
         assert callable(advisor.autotune) and advisor.autotune.__name__ == "autotune"
         assert advisor.wrap.__name__ == "wrap"
+
+
+@pytest.mark.parametrize("ddp_kwargs", [{}, {"bucket_cap_mb": 3}, {"bucket_cap_mb_list": [1, 3]}],
+                         ids=["default caps", "one cap", "per-bucket caps"])
+def test_plans_are_measured_on_a_copy_with_the_models_own_buckets(ddp_kwargs):
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "bucket_cap_mb_list" in ddp_kwargs and \
+            "bucket_cap_mb_list" not in inspect.signature(DistributedDataParallel).parameters:
+        pytest.skip("this PyTorch has no per-bucket caps")
+    original, shadow = launch_local(shadow_buckets, 1, (ddp_kwargs,), timeout=120)[0]
+    assert shadow == original
+    if not ddp_kwargs:  # DDP's small first bucket (1 MiB) is only used when no cap is passed
+        assert len(original) == 2

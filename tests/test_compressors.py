@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from advisor.compressors import REGISTRY, CompressorConfig, SegmentLayout, available, parse
-from advisor.compressors.powersgd import outer_product_
+from advisor.compressors.powersgd import outer_product_, project_
 from advisor.compressors.packing import lane_words, pack_bits, pack_lanes, packed_nbytes, unpack_bits, unpack_lanes
 from advisor.compressors.sparse import stratified_indices, topk_abs_indices
 from advisor.runtime.simulate import SimulatedRanks
@@ -105,6 +105,15 @@ def test_powersgd_outer_products_match_a_matmul(rank, shape):
     out = torch.full(shape, float("nan"))
     torch.testing.assert_close(outer_product_(p, qt, out), p @ qt, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(outer_product_(p, qt, m.clone(), subtract=True), m - p @ qt, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rank", [1, 3, 4, 8])
+def test_powersgd_projection_matches_a_matmul_in_either_form(rank):
+    # from rank 4 up, CPU computes (Q Mᵀ)ᵀ instead of M Qᵀ
+    gen = torch.Generator().manual_seed(rank)
+    m, qt = torch.randn(300, 200, generator=gen), torch.randn(rank, 200, generator=gen)
+    out = torch.full((300, rank), float("nan"))
+    torch.testing.assert_close(project_(m, qt, out), m @ qt.t(), rtol=1e-5, atol=1e-4)
 
 
 def test_powersgd_sends_vectors_and_unshrinkable_matrices_uncompressed():

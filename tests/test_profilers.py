@@ -42,6 +42,29 @@ def test_fitted_all_reduce_bandwidth_is_within_15_percent_of_the_shaped_rate(hos
 
 
 @needs_testbed
+def test_cores_are_shared_out_evenly_and_only_when_every_rank_gets_one():
+    from advisor.launch import core_shares
+
+    assert core_shares(2, [0, 1, 2, 3, 4]) == [{0, 1}, {2, 3}]
+    assert core_shares(3, [5, 7, 9]) == [{5}, {7}, {9}]
+    assert core_shares(4, [0, 1]) is None
+
+
+def test_each_host_of_the_emulated_cluster_runs_on_its_own_cores():
+    if unavailable_reason() is not None:
+        pytest.skip(unavailable_reason())
+    import os
+
+    from advisor.launch import core_shares
+
+    if core_shares(2) is None:
+        pytest.skip("fewer than 2 cores")
+    with EmulatedCluster(hosts=2, rate=None) as cluster:
+        cores = cluster.run(pp.rank_cores, timeout=120)
+    assert cores[0] and cores[1] and not set(cores[0]) & set(cores[1])
+    assert set(cores[0]) | set(cores[1]) <= os.sched_getaffinity(0)
+
+
 def test_namespaces_are_removed_even_when_a_rank_fails():
     with pytest.raises(RankFailed, match="rank 1 failed"):
         with EmulatedCluster(hosts=2, rate="1gbit") as cluster:

@@ -68,6 +68,31 @@ def outer_product_(p: torch.Tensor, qt: torch.Tensor, out: torch.Tensor, subtrac
     return out
 
 
+#: from this rank up, CPU products ``M Qᵀ`` go as ``(Q Mᵀ)ᵀ``
+_TRANSPOSED_PROJECTION_MIN_RANK = 4
+
+
+def project_(mat: torch.Tensor, qt: torch.Tensor, out: torch.Tensor, ctx=None) -> torch.Tensor:
+    """``out = mat·qtᵀ`` (n x r) for ``mat`` (n, m) and ``qt`` (r, m).
+
+    Why two forms: the BLAS on this kind of CPU picks its kernel by the output's layout,
+    and for rank 4 and up the (r, n) product ``Q Mᵀ`` runs 1.4-2x faster than the (n, r)
+    product ``M Qᵀ`` (measured, caches flushed: 2048x1024 at rank 4 0.80 vs 1.17 ms, rank 8
+    0.96 vs 1.84 ms), while at ranks 1-3 ``M Qᵀ`` is as fast or faster.  The transposed
+    form is computed into a small (r, n) scratch buffer and copied into place.
+    """
+    r = qt.shape[0]
+    if mat.device.type != "cpu" or r < _TRANSPOSED_PROJECTION_MIN_RANK:
+        return torch.matmul(mat, qt.t(), out=out)
+    n = mat.shape[0]
+    if ctx is not None:
+        scratch = ctx.buffer(f"p-transposed-{r * n}", r * n, mat.dtype, mat.device).view(r, n)
+    else:
+        scratch = torch.empty(r, n, dtype=mat.dtype, device=mat.device)
+    torch.matmul(qt, mat.t(), out=scratch)
+    return out.copy_(scratch.t())
+
+
 class PowerSGD(Compressor):
     name = "powersgd"
     detects_nonfinite = True  # P = MQ is non-finite iff M is (NaN·0 is NaN)
@@ -129,7 +154,7 @@ class PowerSGD(Compressor):
                 qt = self._initial_q(name, m, r, ctx, inp.device)
             qmem[name] = qt
             p = first[offset : offset + n * r].view(n, r)
-            torch.matmul(views_in[i].view(n, m), qt.t(), out=p)
+            project_(views_in[i].view(n, m), qt, p, ctx)
             ps.append(p)
             offset += n * r
         for i in dense:
