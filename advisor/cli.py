@@ -448,8 +448,11 @@ def validate_cmd(plan_path, bandwidth, epochs, nproc, png, out_path, as_json) ->
 @click.option("--steps", default=4, show_default=True)
 @click.option("--measurements", default=None, help="Append autotune's live measurements to this file.")
 @click.option("--out", "out_path", default=None, help="Write the rows as JSON here (after every row).")
+@click.option("--matched/--no-matched", default=True, show_default=True,
+              help="Also tune with PowerSGD rank 1's fidelity budget, to compare with PyTorch's rank 1 at equal "
+                   "accuracy cost.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def bench_cmd(ranks, rates, models, rounds, steps, measurements, out_path, as_json) -> None:
+def bench_cmd(ranks, rates, models, rounds, steps, measurements, out_path, matched, as_json) -> None:
     """The end-to-end benchmark: the advisor's plan vs DDP fp32 and PyTorch's fp16 and PowerSGD hooks."""
     from .bench import MODELS, render_row, run_benchmark
     from .emulated import parse_rate
@@ -485,7 +488,7 @@ def bench_cmd(ranks, rates, models, rounds, steps, measurements, out_path, as_js
 
     try:
         run_benchmark(world_sizes, rate_list, specs, rounds=rounds, steps=steps, measurements=measurements,
-                      on_row=on_row)
+                      on_row=on_row, matched=matched)
     except ValueError as exc:
         fail(str(exc))
     if as_json:

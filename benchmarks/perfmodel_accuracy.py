@@ -6,7 +6,7 @@ For 3 models (the 5.3M-parameter MLP, a small CNN, a small transformer LM) and 3
 rates (100 Mbit/s, 1 Gbit/s, unshaped) on a 2-host emulated cluster: profile once, predict
 5 plans (fp32, fp16, PowerSGD rank 4 everywhere, top-k 1% everywhere, mixed: PowerSGD on
 the largest bucket and fp16 elsewhere), then measure each plan's real step time with the
-hook installed.  Prints |predicted - measured| / measured per plan, uncalibrated and with
+hook installed, in interleaved rounds (median over rounds).  Prints |predicted - measured| / measured per plan, uncalibrated and with
 the calibration (overlap factor and per-round cost) learned leave-one-out from the other 4
 plans of the same model and rate (and, for comparison, the overlap factor alone), and the
 Spearman rank correlation of predicted vs measured order.
@@ -19,7 +19,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import torch
 from scipy.stats import spearmanr
@@ -46,36 +45,36 @@ def plans_for(profile) -> dict[str, Plan]:
     }
 
 
-def _rank(rank: int, world: int, spec: str, steps: int):
+def _rank(rank: int, world: int, spec: str, steps: int, rounds: int):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from advisor.live import timed_steps
     from profilers.cluster import profile_cluster
+    from profilers.compute import slowest
 
     workload = build_workload(spec)
     ddp = DDP(workload.model)
     profile = profile_cluster(ddp, workload.loss_fn, workload.batches, workload.optimizer(), CONFIGS,
                               fidelity=False)
-    measured = {}
     batches = list(workload.batches)
+    runs, hooks = {}, []
     for name, plan in plans_for(profile).items():
         model = build_workload(spec).model
         model.load_state_dict(workload.model.state_dict())
         d = DDP(model)
-        hook = install(d, plan)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        times = []
-        for i in range(steps + 3):
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            workload.loss_fn(d, batches[i % len(batches)]).backward()
-            opt.step()
-            if i >= 3:
-                times.append(time.perf_counter() - t0)
+        hooks.append(install(d, plan))
+        runs[name] = (d, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    # Interleaved rounds (every plan once per round, median over rounds): drift on this
+    # shared machine then hits all plans alike, which the rank correlation needs.
+    per_round: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(rounds):
+        local = [timed_steps(d, workload.loss_fn, batches, opt, steps, 3 if r == 0 else 1, start=r * steps)
+                 for d, opt in runs.values()]
+        for name, seconds in zip(runs, slowest(local)):  # the slowest rank sets the pace
+            per_round[name].append(seconds)
+    for hook in hooks:
         hook.close()
-        t = torch.tensor([statistics.median(times)], dtype=torch.float64)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)  # the slowest rank sets the pace
-        measured[name] = float(t)
-    return profile, measured
+    return profile, {name: statistics.median(v) for name, v in per_round.items()}
 
 
 def evaluate(profile, measured: dict[str, float]) -> dict:
@@ -102,7 +101,8 @@ def evaluate(profile, measured: dict[str, float]) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps of each plan per round")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median over them)")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--rates", default="100mbit,1gbit,unshaped")
     parser.add_argument("--json", help="also write the results here")
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
         for rate_name in args.rates.split(","):
             rate = None if rate_name == "unshaped" else rate_name
             with EmulatedCluster(hosts=2, rate=rate) as cluster:
-                profile, measured = cluster.run(_rank, (spec, args.steps), timeout=1200)[0]
+                profile, measured = cluster.run(_rank, (spec, args.steps, args.rounds), timeout=1800)[0]
             res = evaluate(profile, measured)
             res.update(model=spec.split(":")[1], rate=rate_name)
             rows.append(res)

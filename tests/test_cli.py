@@ -254,3 +254,6 @@ def test_bench_measures_the_advisor_next_to_pytorchs_hooks(runner, tmp_path):
 
     assert set(row["times_s"]) == set(SETTINGS)
     assert row["result"]["kind"] == "compression-advisor/autotune-result"
+    # the matched comparison: tuned again under PowerSGD rank 1's (looser) fidelity budget
+    assert row["matched_budget"] > row["result"]["fidelity_budget"]
+    assert row["matched_fidelity"] <= row["matched_budget"] + 1e-9 and row["matched_advice"]
