@@ -8,6 +8,7 @@ and reported with the ranks still running: never a hang.
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 import socket
@@ -115,6 +116,12 @@ def _rank_entry(
             partial = Path(result_dir) / f"rank{rank}.pt.partial"
             torch.save(result, partial)
             partial.rename(Path(result_dir) / f"rank{rank}.pt")
+            # Free the job's DDP models (held in reference cycles) now, on this thread:
+            # left to interpreter shutdown, a gloo thread may drop the last reference to a
+            # finished collective's tensors then and abort (pytorch/pytorch#190489; seen
+            # with PyTorch's own comm hooks in the benchmark).
+            del result
+            gc.collect()
         except BaseException:
             # written before the group closes, so the root cause is dated before the
             # "connection reset" its peers will report next

@@ -9,7 +9,8 @@ the largest bucket and fp16 elsewhere), then measure each plan's real step time 
 hook installed, in interleaved rounds (median over rounds).  Prints |predicted - measured| / measured per plan, uncalibrated and with
 the calibration (overlap factor and per-round cost) learned leave-one-out from the other 4
 plans of the same model and rate (and, for comparison, the overlap factor alone), and the
-Spearman rank correlation of predicted vs measured order.
+Spearman rank correlation of predicted vs measured order: as measured, and with plans whose
+medians differ by less than their noise (half the spread of their round medians) tied.
 Targets: median error <= 10%, worst <= 25%, Spearman >= 0.9 per model and rate.
 """
 
@@ -74,10 +75,35 @@ def _rank(rank: int, world: int, spec: str, steps: int, rounds: int):
             per_round[name].append(seconds)
     for hook in hooks:
         hook.close()
-    return profile, {name: statistics.median(v) for name, v in per_round.items()}
+    return profile, per_round
 
 
-def evaluate(profile, measured: dict[str, float]) -> dict:
+def resolved_ranks(per_round: dict[str, list[float]]) -> dict[str, float]:
+    """Measured ranks, with plans the measurement cannot tell apart sharing one rank.
+
+    Two plans count as ordered only when their medians differ by more than the sum of their
+    noises (half the spread of their round medians): the do-no-harm rule of the advisor.
+    Plans are chained into tie classes along the sorted medians; a class gets the mean rank.
+    """
+    med = {n: statistics.median(v) for n, v in per_round.items()}
+    noise = {n: (max(v) - min(v)) / 2 for n, v in per_round.items()}
+    order = sorted(med, key=med.get)
+    classes = [[order[0]]]
+    for prev, name in zip(order, order[1:]):
+        if med[name] - med[prev] <= noise[name] + noise[prev]:
+            classes[-1].append(name)
+        else:
+            classes.append([name])
+    ranks, start = {}, 1
+    for members in classes:
+        for n in members:
+            ranks[n] = start + (len(members) - 1) / 2
+        start += len(members)
+    return ranks
+
+
+def evaluate(profile, per_round: dict[str, list[float]]) -> dict:
+    measured = {n: statistics.median(v) for n, v in per_round.items()}
     plans = plans_for(profile)
     model = PerformanceModel(profile)
     raw = {n: model.predict(p).iteration_s for n, p in plans.items()}
@@ -94,9 +120,13 @@ def evaluate(profile, measured: dict[str, float]) -> dict:
     err_overlap = {n: abs(loo_overlap[n] - measured[n]) / measured[n] for n in plans}
     names = list(plans)
     rho = spearmanr([raw[n] for n in names], [measured[n] for n in names]).statistic
-    return {"measured": measured, "predicted": raw, "predicted_loo": loo, "error": err, "error_loo": err_loo,
-            "error_overlap_only": err_overlap,
-            "spearman": float(rho), "compute_only_s": model.compute_only_s}
+    ranks = resolved_ranks(per_round)
+    resolved = None
+    if len(set(ranks.values())) > 1:
+        resolved = float(spearmanr([raw[n] for n in names], [ranks[n] for n in names]).statistic)
+    return {"measured": measured, "rounds": per_round, "predicted": raw, "predicted_loo": loo, "error": err,
+            "error_loo": err_loo, "error_overlap_only": err_overlap,
+            "spearman": float(rho), "spearman_resolved": resolved, "compute_only_s": model.compute_only_s}
 
 
 def main(argv=None) -> int:
@@ -123,17 +153,23 @@ def main(argv=None) -> int:
             all_err += list(res["error"].values())
             all_loo += list(res["error_loo"].values())
             all_overlap += list(res["error_overlap_only"].values())
+            resolved = res["spearman_resolved"]
             print(f"\n{res['model']} @ {rate_name}: compute-only {res['compute_only_s'] * 1e3:.1f} ms, "
-                  f"Spearman {res['spearman']:.2f}")
-            print(f"  {'plan':10s} {'measured':>9s} {'predicted':>9s} {'error':>7s} {'calib.':>9s} {'error':>7s}")
+                  f"Spearman {res['spearman']:.2f} (plans within the measured noise tied: "
+                  f"{'all tied' if resolved is None else f'{resolved:.2f}'})")
+            print(f"  {'plan':10s} {'measured':>9s} {'noise':>6s} {'predicted':>9s} {'error':>7s} {'calib.':>9s} "
+                  f"{'error':>7s}")
             for n in res["measured"]:
-                print(f"  {n:10s} {res['measured'][n] * 1e3:8.1f}ms {res['predicted'][n] * 1e3:8.1f}ms "
+                spread = (max(res["rounds"][n]) - min(res["rounds"][n])) / 2 / res["measured"][n]
+                print(f"  {n:10s} {res['measured'][n] * 1e3:8.1f}ms {spread:6.1%} {res['predicted'][n] * 1e3:8.1f}ms "
                       f"{res['error'][n]:7.1%} {res['predicted_loo'][n] * 1e3:8.1f}ms {res['error_loo'][n]:7.1%}")
     print(f"\nuncalibrated: median error {statistics.median(all_err):.1%}, worst {max(all_err):.1%}")
     print(f"calibrated (leave-one-out): median error {statistics.median(all_loo):.1%}, worst {max(all_loo):.1%}")
     print(f"  (the overlap factor alone, same measurements: median {statistics.median(all_overlap):.1%}, "
           f"worst {max(all_overlap):.1%})")
     print(f"Spearman per model and rate: {[round(r['spearman'], 2) for r in rows]}")
+    print("  with plans the measurement cannot order tied (do-no-harm rule): "
+          f"{[None if r['spearman_resolved'] is None else round(r['spearman_resolved'], 2) for r in rows]}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
