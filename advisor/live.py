@@ -29,6 +29,8 @@ from .schema import check_int
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
+_MIB = 1024 * 1024
+
 
 def bucketing_kwargs(ddp: DistributedDataParallel) -> dict[str, Any]:
     """DDP constructor arguments that give a copy of ``ddp``'s model the same buckets.
@@ -55,9 +57,6 @@ def bucketing_kwargs(ddp: DistributedDataParallel) -> dict[str, Any]:
     if ddp.device_ids:
         kwargs["device_ids"] = ddp.device_ids
     return kwargs
-
-
-_MIB = 1024 * 1024
 
 
 def shadow_of(ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer | None):

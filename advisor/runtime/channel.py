@@ -12,9 +12,10 @@ overlap.  The worker never blocks on a final round while it could issue a new jo
 finished collective wakes it through its future, and it decodes finished rounds oldest
 first.  (Blocking on the oldest final round held back the next bucket's first round until
 that round ended: on the MLP at 1 Gbit/s a 16-bit first bucket delayed the second bucket's
-PowerSGD round by up to 6 ms a step.)  What a final round's completion might still send (the non-finite fallback) is
-held back and issued at the iteration's end, after every regular collective, in job order:
-the issue order is a function of the bucket order alone, identical on all ranks.
+PowerSGD round by up to 6 ms a step.)  What a final round's completion might still send
+(the non-finite fallback) is held back and issued at the iteration's end, after every
+regular collective, in job order: the issue order is a function of the bucket order alone,
+identical on all ranks.
 
 Why keep finished work handles for an iteration?  A gloo worker thread marks a collective
 done and only then drops its own reference to the work; when it drops the *last* one, the
