@@ -126,7 +126,9 @@ def evaluate(profile, per_round: dict[str, list[float]]) -> dict:
         resolved = float(spearmanr([raw[n] for n in names], [ranks[n] for n in names]).statistic)
     return {"measured": measured, "rounds": per_round, "predicted": raw, "predicted_loo": loo, "error": err,
             "error_loo": err_loo, "error_overlap_only": err_overlap,
-            "spearman": float(rho), "spearman_resolved": resolved, "compute_only_s": model.compute_only_s}
+            "spearman": float(rho), "spearman_resolved": resolved, "compute_only_s": model.compute_only_s,
+            # the profile the predictions came from, to see which term moved between runs
+            "profile": profile.to_dict()}
 
 
 def main(argv=None) -> int:
