@@ -180,15 +180,15 @@ def profile_compute(
     ready_runs = [ready_runs[i] for i in keep]
     names = [n for n, _ in named]
     local = [statistics.median(fwd), statistics.median(bwd), statistics.median(opt), copy_rate(named)]
+    # median ready times (robust to one slow step), slowest rank per parameter
     local += [statistics.median(run[n] for run in ready_runs) for n in names]
-    # layer costs per step, then medians: robust to one slow step
-    per_step_layers = [layer_costs(run, names) for run in ready_runs]
-    layers = sorted(per_step_layers[0])
-    local += [statistics.median(c.get(layer, 0.0) for c in per_step_layers) for layer in layers]
     merged = slowest(local, group)
     forward_s, backward_s, optimizer_s, copy_s_per_byte = merged[:4]
-    ready = dict(zip(names, merged[4 : 4 + len(names)]))
-    layer_backward = dict(zip(layers, merged[4 + len(names) :]))
+    ready = dict(zip(names, merged[4:]))
+    # Layer costs from those ready times, so they add up to the last gradient's ready time.
+    # (Medians of per-step layer costs did not add up: their sum drifted 10% from the
+    # backward time on the small CNN, one way or the other, from step to step jitter.)
+    layer_backward = layer_costs(ready, names)
     by_name = dict(named)
     return ComputeProfile(
         forward_s=forward_s,
