@@ -41,32 +41,33 @@ def _fresh(spec: str, **ddp_kwargs):
     return workload, DDP(workload.model, **ddp_kwargs)
 
 
-def bench_rank(rank: int, world: int, spec: str, rounds: int, steps: int, warmup: int,
-               measurements: str | None, where: str, autotune_kwargs: dict, matched: bool = True):
+def _autotuned(spec: str, batches: list, where: str, measurements: str | None, autotune_kwargs: dict):
+    """A fresh copy of the model, autotuned, past its plan's warm-up: (model, optimizer, result, seconds)."""
     import advisor
 
-    workload, tuned = _fresh(spec)
-    batches = list(workload.batches)
-    opt = workload.optimizer()
+    workload, model = _fresh(spec)
+    opt = workload.optimizer()  # over this copy's parameters
     t0 = time.perf_counter()
-    result = advisor.autotune(tuned, workload.loss_fn, batches, opt, measurements_path=measurements, where=where,
+    result = advisor.autotune(model, workload.loss_fn, batches, opt, measurements_path=measurements, where=where,
                               **autotune_kwargs)
     tune_s = time.perf_counter() - t0
     # past the installed plan's uncompressed warm-up before anything is timed
-    timed_steps(tuned, workload.loss_fn, batches, opt, 1, result.plan_object().warmup_steps)
+    timed_steps(model, workload.loss_fn, batches, opt, 1, result.plan_object().warmup_steps)
+    return model, opt, result, tune_s
+
+
+def bench_rank(rank: int, world: int, spec: str, rounds: int, steps: int, warmup: int,
+               measurements: str | None, where: str, autotune_kwargs: dict, matched: bool = True):
+    workload = build_workload(spec)
+    batches = list(workload.batches)
+    tuned, opt, result, tune_s = _autotuned(spec, batches, where, measurements, autotune_kwargs)
     settings = {"advisor plan": (tuned, opt)}
     matched_result = None
     if matched:
         # The default budget (PowerSGD rank 4's error) is stricter than PyTorch's rank 1; held
         # to rank 1's error, the advisor shows what it does at the fidelity of that baseline.
-        _, held = _fresh(spec)
-        held_opt = workload.optimizer()
-        t0 = time.perf_counter()
-        matched_result = advisor.autotune(held, workload.loss_fn, batches, held_opt, where=where,
-                                          measurements_path=measurements,
-                                          **{**autotune_kwargs, "reference": MATCHED_REFERENCE})
-        matched_tune_s = time.perf_counter() - t0
-        timed_steps(held, workload.loss_fn, batches, held_opt, 1, matched_result.plan_object().warmup_steps)
+        held, held_opt, matched_result, matched_tune_s = _autotuned(
+            spec, batches, where, measurements, {**autotune_kwargs, "reference": MATCHED_REFERENCE})
         settings[MATCHED] = (held, held_opt)
     _, plain = _fresh(spec)
     settings["DDP fp32"] = (plain, None)
