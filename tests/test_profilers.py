@@ -41,7 +41,6 @@ def test_fitted_all_reduce_bandwidth_is_within_15_percent_of_the_shaped_rate(hos
     assert not set(our_namespaces()) & names_of(cluster)
 
 
-@needs_testbed
 def test_cores_are_shared_out_evenly_and_only_when_every_rank_gets_one():
     from advisor.launch import core_shares
 
@@ -50,9 +49,8 @@ def test_cores_are_shared_out_evenly_and_only_when_every_rank_gets_one():
     assert core_shares(4, [0, 1]) is None
 
 
+@needs_testbed
 def test_each_host_of_the_emulated_cluster_runs_on_its_own_cores():
-    if unavailable_reason() is not None:
-        pytest.skip(unavailable_reason())
     import os
 
     from advisor.launch import core_shares
@@ -65,6 +63,7 @@ def test_each_host_of_the_emulated_cluster_runs_on_its_own_cores():
     assert set(cores[0]) | set(cores[1]) <= os.sched_getaffinity(0)
 
 
+@needs_testbed
 def test_namespaces_are_removed_even_when_a_rank_fails():
     with pytest.raises(RankFailed, match="rank 1 failed"):
         with EmulatedCluster(hosts=2, rate="1gbit") as cluster:
