@@ -6,9 +6,10 @@ For 3 models (the 5.3M-parameter MLP, a small CNN, a small transformer LM) and 3
 rates (100 Mbit/s, 1 Gbit/s, unshaped) on a 2-host emulated cluster: profile once, predict
 5 plans (fp32, fp16, PowerSGD rank 4 everywhere, top-k 1% everywhere, mixed: PowerSGD on
 the largest bucket and fp16 elsewhere), then measure each plan's real step time with the
-hook installed, in interleaved rounds (median over rounds).  Prints |predicted - measured| / measured per plan, uncalibrated and with
-the calibration (overlap factor and per-round cost) learned leave-one-out from the other 4
-plans of the same model and rate (and, for comparison, the overlap factor alone), and the
+hook installed, in interleaved rounds (median over rounds).  Prints |predicted - measured|
+/ measured per plan, uncalibrated and with the calibration (overlap factor and per-round
+cost) learned leave-one-out from the other 4 plans of the same model and rate (and, for
+comparison, the overlap factor alone), and the
 Spearman rank correlation of predicted vs measured order: as measured, and with plans whose
 medians differ by less than their noise (half the spread of their round medians) tied.
 Targets: median error <= 10%, worst <= 25%, Spearman >= 0.9 per model and rate.
