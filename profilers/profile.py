@@ -86,9 +86,22 @@ class CollectiveFit:
     bandwidth_bps: float
     r2: float
     points: list[list[float]]
+    #: host CPU seconds one op costs a rank (all its threads and the kernel's network
+    #: stack, measured as process CPU time while the op ran), ``cpu_latency_s +
+    #: nbytes * cpu_s_per_byte``: on a host whose compute is its CPU, this is taken from
+    #: the compute an overlapping backward pass gets (0 in profiles that did not measure it)
+    cpu_latency_s: float = 0.0
+    cpu_s_per_byte: float = 0.0
+
+    def __post_init__(self) -> None:
+        _finite("cpu_latency_s", self.cpu_latency_s)
+        _finite("cpu_s_per_byte", self.cpu_s_per_byte)
 
     def predict(self, nbytes: float) -> float:
         return self.latency_s + nbytes * self.seconds_per_byte
+
+    def cpu_seconds(self, nbytes: float) -> float:
+        return self.cpu_latency_s + nbytes * self.cpu_s_per_byte
 
 
 @dataclass

@@ -16,6 +16,10 @@ def network_only(rank: int, world_size: int):
     return profile_network(collectives=("all_reduce",))
 
 
+def loopback_all_reduce(rank: int, world_size: int):
+    return profile_network(collectives=("all_reduce",), max_bytes=16 << 20, budget_s=8.0, reduction_dtypes=())
+
+
 def summing_costs(rank: int, world_size: int):
     # 32 MiB: float16's extra summing (~0.5-0.9 ns a byte over loopback) stands well above
     # the milliseconds of scheduling jitter a busy machine adds to any one op

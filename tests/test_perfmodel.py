@@ -1,5 +1,6 @@
 """The performance model on constructed profiles whose answers are known by hand."""
 
+import dataclasses
 import json
 import math
 
@@ -86,6 +87,53 @@ def test_encode_delays_the_rest_of_backward():
     enc = 2e-8 * numel
     assert t.backward_end_s == pytest.approx(40 * MS + 2 * enc)
     assert t.buckets[1].encode_start_s == pytest.approx(40 * MS + enc)
+
+
+def with_collective_cpu(prof: ClusterProfile, cpu_s_per_byte: float, device: str = "cpu") -> ClusterProfile:
+    fits = {name: dataclasses.replace(fit, cpu_s_per_byte=cpu_s_per_byte) for name, fit in prof.network.fits.items()}
+    environment = dataclasses.replace(prof.environment, device=device)
+    return dataclasses.replace(prof, network=NetworkProfile(fits, 1.0), environment=environment)
+
+
+def test_on_a_cpu_host_a_collective_during_backward_takes_its_cpu_time_from_backward():
+    numel = 250 * 250  # 0.25 MB: a 2 ms all-reduce at 1 Gbit/s
+    prof = profile([(numel, 10 * MS), (numel, 40 * MS)])
+    plan = Plan.uniform("none", warmup_steps=0)
+    free = PerformanceModel(prof).predict(plan)
+    per_byte = 4e-9
+    loaded = PerformanceModel(with_collective_cpu(prof, per_byte)).predict(plan)
+    cpu = 4 * numel * per_byte  # 1 ms for bucket 0's all-reduce, wholly inside backward
+    assert loaded.backward_end_s == pytest.approx(free.backward_end_s + cpu)
+    # bucket 1's all-reduce starts as backward ends: it takes nothing from it
+    assert loaded.iteration_s == pytest.approx(free.iteration_s + cpu)
+    # the same profile from a GPU host: backward runs on the device, not on the CPU
+    on_gpu = PerformanceModel(with_collective_cpu(prof, per_byte, device="cuda:0")).predict(plan)
+    assert on_gpu.iteration_s == pytest.approx(free.iteration_s)
+
+
+def test_only_the_share_of_a_collective_that_overlaps_backward_slows_it():
+    numel = 250 * 250
+    prof = profile([(numel, 39 * MS), (numel, 40 * MS)])  # bucket 0's 2 ms all-reduce: half inside
+    plan = Plan.uniform("none", warmup_steps=0)
+    free = PerformanceModel(prof).predict(plan)
+    per_byte = 4e-9
+    loaded = PerformanceModel(with_collective_cpu(prof, per_byte)).predict(plan)
+    assert loaded.backward_end_s == pytest.approx(free.backward_end_s + 0.5 * 4 * numel * per_byte)
+
+
+def test_predict_many_charges_collective_cpu_time_as_predict_does():
+    numel = 250 * 250
+    kernels = {"fp16": (1e-9, 1e-9), "powersgd(rank=4)": (3e-9, 1e-9)}
+    prof = with_collective_cpu(profile([(numel, 10 * MS), (numel, 25 * MS), (numel, 40 * MS)],
+                                       kernel_s_per_element=kernels), 4e-9)
+    model = PerformanceModel(prof)
+    configs = ["none", "fp16", "powersgd(rank=4)"]
+    costs = model.candidate_costs(configs)
+    choices = np.array([[0, 0, 0], [1, 2, 0], [2, 1, 1]])
+    many = model.predict_many(choices, costs)
+    for row, predicted in zip(choices, many):
+        plan = Plan.from_assignments({f"l{b}.weight": configs[c] for b, c in enumerate(row)}, warmup_steps=0)
+        assert predicted == pytest.approx(model.predict(plan).iteration_s)
 
 
 def test_all_gather_compressors_lose_ground_as_workers_grow():

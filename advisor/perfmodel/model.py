@@ -13,6 +13,10 @@ and decode):
 * decode follows the collective on the communication side, in bucket order;
 * DDP copies each gradient into its bucket as it becomes ready (on the backward thread)
   and every averaged bucket back into the gradients at the end, at the measured copy rate;
+* on a host that computes on its CPU, a collective running while backward runs takes its
+  measured CPU time (gloo's threads, the kernel's network stack) from backward, in
+  proportion to how much of it overlaps backward: over loopback nearly all of a
+  collective's time is CPU time, so "overlapped" communication is not free there;
 * the optimizer runs when backward and every decode are done.
 
 Two calibration terms are learned from measured step times by
@@ -81,6 +85,13 @@ class NetworkModel:
     def __init__(self, fits: Mapping, profiled_world: int, scenario: Scenario,
                  reduce_s_per_byte: Mapping[str, float] | None = None) -> None:
         self.world = scenario.world_size or profiled_world
+        # CPU work a rank does for a collective grows with the bytes it handles: (p-1)/p
+        # of its input twice for a ring all-reduce, (p-1) shares for an all-gather
+        self.cpu: dict[str, tuple[float, float]] = {}
+        for name, handled in (("all_reduce", _ring_share), ("all_gather", lambda p: float(max(p - 1, 0)))):
+            fit = fits.get(name)
+            if fit is not None and profiled_world > 1:
+                self.cpu[name] = (fit.cpu_latency_s, fit.cpu_s_per_byte * handled(self.world) / handled(profiled_world))
         # Summing is work on each rank (a share (p-1)/p of the data in a ring), not link
         # time: it scales with the device, not with the scenario's bandwidth.
         rescale = _ring_share(self.world) / _ring_share(profiled_world) if profiled_world > 1 else 1.0
@@ -115,6 +126,16 @@ class NetworkModel:
         summing = nbytes * self.reduce_s_per_byte.get(dtype, 0.0)
         return 2 * (p - 1) * alpha + 2.0 * _ring_share(p) * 8.0 * nbytes / bw + summing
 
+    def cpu_seconds(self, collective: Collective, nbytes, dtype: str = "float32") -> np.ndarray:
+        """Host CPU seconds a rank spends on the collective (0 where not measured)."""
+        nbytes = np.asarray(nbytes, dtype=np.float64)
+        if self.world <= 1:
+            return np.zeros_like(nbytes)
+        name = "all_gather" if collective is Collective.ALL_GATHER else "all_reduce"
+        latency, per_byte = self.cpu.get(name, (0.0, 0.0))
+        summing = 0.0 if collective is Collective.ALL_GATHER else nbytes * self.reduce_s_per_byte.get(dtype, 0.0)
+        return latency + nbytes * per_byte + summing
+
 
 @dataclass
 class CandidateCosts:
@@ -125,6 +146,8 @@ class CandidateCosts:
     comm_s: np.ndarray
     decode_s: np.ndarray
     wire_bytes: np.ndarray
+    #: host CPU seconds of the collectives (see :meth:`PerformanceModel.segment_cpu_s`)
+    comm_cpu_s: np.ndarray | None = None
 
 
 class PerformanceModel:
@@ -147,6 +170,8 @@ class PerformanceModel:
             raise ValueError("the profile has no network measurements; profile again with the network profiler on")
         self.network = NetworkModel(profile.network.fits, profile.environment.world_size, self.scenario,
                                     profile.network.reduce_s_per_byte)
+        # communication's CPU time slows backward only where backward runs on the CPU
+        self.cpu_interference = str(profile.environment.device).startswith("cpu")
         ready = {p.name: p.ready_s / speed for p in compute.parameters}
         shapes = {p.name: tuple(p.shape) for p in compute.parameters}
         self.buckets = sorted(compute.buckets, key=lambda b: max(ready[n] for n in b.parameters))
@@ -190,19 +215,29 @@ class PerformanceModel:
         enc, dec = self._kernel_seconds(config, layout.numel)
         return enc, comm, dec, sum(w.nbytes for w in wires)
 
+    def segment_cpu_s(self, config: CompressorConfig, layout: SegmentLayout) -> float:
+        """Host CPU seconds of the segment's collectives; 0 unless backward runs on the CPU."""
+        if not self.cpu_interference:
+            return 0.0
+        wires = config.build().wire(layout, self.world)
+        return float(sum(self.network.cpu_seconds(w.collective, w.nbytes, w.dtype) for w in wires))
+
     def candidate_costs(self, configs: Sequence[str | CompressorConfig]) -> CandidateCosts:
         parsed = [parse(c) for c in configs]
         shape = (len(self.layouts), len(parsed))
-        enc, comm, dec, wire = (np.zeros(shape) for _ in range(4))
+        enc, comm, dec, wire, cpu = (np.zeros(shape) for _ in range(5))
         for i, layout in enumerate(self.layouts):
             for j, config in enumerate(parsed):
                 enc[i, j], comm[i, j], dec[i, j], wire[i, j] = self.segment_cost(config, layout)
-        return CandidateCosts([c.label for c in parsed], enc, comm, dec, wire)
+                cpu[i, j] = self.segment_cpu_s(config, layout)
+        return CandidateCosts([c.label for c in parsed], enc, comm, dec, wire, cpu)
 
     # --- prediction -----------------------------------------------------------------
-    def _replay(self, enc: np.ndarray, comm: np.ndarray, dec: np.ndarray):
+    def _replay(self, enc: np.ndarray, comm: np.ndarray, dec: np.ndarray, cpu: np.ndarray | None = None):
         """The recurrence over buckets; arrays are (plans, buckets)."""
         plans = enc.shape[0]
+        if cpu is None:
+            cpu = np.zeros_like(comm)
         shift = np.zeros(plans)
         comm_free = np.zeros(plans)
         decode_free = np.zeros(plans)
@@ -215,6 +250,10 @@ class PerformanceModel:
             comm_start = np.maximum(enc_end, comm_free)
             comm_end = comm_start + comm[:, b]
             comm_free = comm_end
+            # the share of this collective that runs while backward (as far as known) runs
+            # takes that share of its CPU time from backward
+            overlapping = np.clip(self.backward_s + shift - comm_start, 0.0, None)
+            shift = shift + cpu[:, b] * np.minimum(1.0, overlapping / np.maximum(comm[:, b], 1e-12))
             decode_end = np.maximum(comm_end, decode_free) + dec[:, b]
             decode_free = decode_end
             spans.append((enc_start, enc_end, comm_start, comm_end, decode_end))
@@ -229,8 +268,9 @@ class PerformanceModel:
         if choices.ndim != 2 or choices.shape[1] != len(self.layouts):
             raise ValueError(f"choices must be (plans, {len(self.layouts)} buckets), got {choices.shape}")
         rows = np.arange(len(self.layouts))[None, :]
+        cpu = costs.comm_cpu_s[rows, choices] if costs.comm_cpu_s is not None else None
         iteration, _, _ = self._replay(costs.encode_s[rows, choices], costs.comm_s[rows, choices],
-                                       costs.decode_s[rows, choices])
+                                       costs.decode_s[rows, choices], cpu)
         return iteration
 
     @property
@@ -240,17 +280,18 @@ class PerformanceModel:
     def predict(self, plan: Plan) -> Timeline:
         """The timeline of one plan (parameters of one bucket may use different configs)."""
         enc = np.zeros((1, len(self.layouts)))
-        comm, dec = np.zeros_like(enc), np.zeros_like(enc)
+        comm, dec, cpu = np.zeros_like(enc), np.zeros_like(enc), np.zeros_like(enc)
         labels, wires = [], []
         for b, layout in enumerate(self.layouts):
             segments = _segments(layout, plan)
             total = np.zeros(4)
             for seg_layout, config in segments:
                 total += np.array(self.segment_cost(config, seg_layout))
+                cpu[0, b] += self.segment_cpu_s(config, seg_layout)
             enc[0, b], comm[0, b], dec[0, b] = total[:3]
             wires.append(int(total[3]))
             labels.append("+".join(dict.fromkeys(c.label for _, c in segments)))
-        iteration, backward_end, spans = self._replay(enc, comm, dec)
+        iteration, backward_end, spans = self._replay(enc, comm, dec, cpu)
         return Timeline(
             iteration_s=float(iteration[0]),
             forward_s=self.forward_s,
