@@ -12,13 +12,18 @@ cost) learned leave-one-out from the other 4 plans of the same model and rate (a
 comparison, the overlap factor alone), and the
 Spearman rank correlation of predicted vs measured order: as measured, and with plans whose
 medians differ by less than their noise (half the spread of their round medians) tied.
+Next to it, how well the rounds' own orders agree with each other (Spearman of every pair
+of rounds): where the measurement does not reproduce its own order, no prediction can
+match it, and a row counts as ordered only where the rounds agree (median pair >= 0.9).
 Targets: median error <= 10%, worst <= 25%, Spearman >= 0.9 per model and rate.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import statistics
 import sys
 
@@ -103,6 +108,18 @@ def resolved_ranks(per_round: dict[str, list[float]]) -> dict[str, float]:
     return ranks
 
 
+def rounds_agreement(per_round: dict[str, list[float]]) -> list[float]:
+    """Spearman of the plans' order in each pair of rounds (NaN pairs, all equal, left out)."""
+    names = list(per_round)
+    count = min(len(v) for v in per_round.values())
+    pairs = []
+    for i, j in itertools.combinations(range(count), 2):
+        rho = spearmanr([per_round[n][i] for n in names], [per_round[n][j] for n in names]).statistic
+        if not math.isnan(rho):
+            pairs.append(float(rho))
+    return pairs
+
+
 def evaluate(profile, per_round: dict[str, list[float]]) -> dict:
     measured = {n: statistics.median(v) for n, v in per_round.items()}
     plans = plans_for(profile)
@@ -127,7 +144,8 @@ def evaluate(profile, per_round: dict[str, list[float]]) -> dict:
         resolved = float(spearmanr([raw[n] for n in names], [ranks[n] for n in names]).statistic)
     return {"measured": measured, "rounds": per_round, "predicted": raw, "predicted_loo": loo, "error": err,
             "error_loo": err_loo, "error_overlap_only": err_overlap,
-            "spearman": float(rho), "spearman_resolved": resolved, "compute_only_s": model.compute_only_s,
+            "spearman": float(rho), "spearman_resolved": resolved, "rounds_agreement": rounds_agreement(per_round),
+            "compute_only_s": model.compute_only_s,
             # the profile the predictions came from, to see which term moved between runs
             "profile": profile.to_dict()}
 
@@ -157,9 +175,11 @@ def main(argv=None) -> int:
             all_loo += list(res["error_loo"].values())
             all_overlap += list(res["error_overlap_only"].values())
             resolved = res["spearman_resolved"]
+            agree = res["rounds_agreement"]
             print(f"\n{res['model']} @ {rate_name}: compute-only {res['compute_only_s'] * 1e3:.1f} ms, "
                   f"Spearman {res['spearman']:.2f} (plans within the measured noise tied: "
-                  f"{'all tied' if resolved is None else f'{resolved:.2f}'})")
+                  f"{'all tied' if resolved is None else f'{resolved:.2f}'}); "
+                  f"the rounds' orders against each other: {', '.join(f'{a:.2f}' for a in agree) or 'n/a'}")
             print(f"  {'plan':10s} {'measured':>9s} {'noise':>6s} {'predicted':>9s} {'error':>7s} {'calib.':>9s} "
                   f"{'error':>7s}")
             for n in res["measured"]:
@@ -173,6 +193,11 @@ def main(argv=None) -> int:
     print(f"Spearman per model and rate: {[round(r['spearman'], 2) for r in rows]}")
     print("  with plans the measurement cannot order tied (do-no-harm rule): "
           f"{[None if r['spearman_resolved'] is None else round(r['spearman_resolved'], 2) for r in rows]}")
+    medians = [statistics.median(r["rounds_agreement"]) if r["rounds_agreement"] else float("nan") for r in rows]
+    print(f"  the measurement against itself (median Spearman between rounds): {[round(m, 2) for m in medians]}")
+    ordered = [(r, m) for r, m in zip(rows, medians) if m >= 0.9]
+    print(f"  rows whose rounds agree (>= 0.9), predicted vs measured: "
+          f"{[(r['model'], r['rate'], round(r['spearman'], 2)) for r, _ in ordered]}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
