@@ -106,28 +106,37 @@ def time_collective(collective: str, nbytes: int, repeats: int, group=None) -> l
 
 
 def time_reductions(dtypes: Sequence[str], nbytes: int = REDUCTION_PROBE_BYTES[1], repeats: int = REDUCTION_PAIRS,
-                    group=None) -> dict[str, float]:
+                    group=None, cpu: bool = False):
     """Extra seconds per byte of all-reducing each dtype instead of float32, same bytes.
 
     Each op of a dtype is paired with a float32 op just before it, so drift on a shared
     machine hits both alike, and the same size cancels the latency.  A dtype counts as
     dearer only when nearly every pair says so (a sign test: all but one of ``repeats``);
-    on a slow link, where gloo's summing hides behind the transfer, the differences are
-    noise either way and the extra cost is 0.
+    on a slow link, where gloo's summing hides behind the transfer, the wall-time
+    differences are noise either way and the extra cost is 0.  With ``cpu``, returns
+    ``(wall, cpu)``: the same test on the process CPU time of the pairs, which sees the
+    summing even where the link hides it.
     """
     ops = {name: _op("all_reduce", nbytes, group, getattr(torch, name)) for name in ("float32", *dtypes)}
     for op in ops.values():
         op()  # warm-up
-    differences: dict[str, list[float]] = {name: [] for name in dtypes}
+    walls: dict[str, list[float]] = {name: [] for name in dtypes}
+    cpus: dict[str, list[float]] = {name: [] for name in dtypes}
     for _ in range(repeats):
         for name in dtypes:
-            base = _timed(ops["float32"], group)
-            differences[name].append(_timed(ops[name], group) - base)
-    extra = {}
-    for name, diffs in differences.items():
-        dearer = sum(d > 0 for d in diffs) >= len(diffs) - 1
-        extra[name] = statistics.median(diffs) / nbytes if dearer else 0.0
-    return extra
+            base_wall, base_cpu = _timed_with_cpu(ops["float32"], group)
+            wall, cpu_s = _timed_with_cpu(ops[name], group)
+            walls[name].append(wall - base_wall)
+            cpus[name].append(cpu_s - base_cpu)
+
+    def extra(differences: dict[str, list[float]]) -> dict[str, float]:
+        out = {}
+        for name, diffs in differences.items():
+            dearer = sum(d > 0 for d in diffs) >= len(diffs) - 1
+            out[name] = statistics.median(diffs) / nbytes if dearer else 0.0
+        return out
+
+    return (extra(walls), extra(cpus)) if cpu else extra(walls)
 
 
 def algorithm_factor(collective: str, world_size: int) -> float:
@@ -217,6 +226,7 @@ def profile_network(
             nbytes *= 2
         fits[collective] = fit_collective(collective, world, points, cpu_points)
     extra: dict[str, float] = {}
+    extra_cpu: dict[str, float] = {}
     if "all_reduce" in fits and reduction_dtypes:
         fit = fits["all_reduce"]
         low, high = REDUCTION_PROBE_BYTES
@@ -228,5 +238,6 @@ def profile_network(
         expected = per_op * (2 * REDUCTION_PAIRS + 1) * (1 + len(reduction_dtypes))
         # every rank decides from the same (all-reduced) numbers
         if _slowest(time.perf_counter() - start, group=group) + expected <= budget_s:
-            extra = time_reductions(reduction_dtypes, nbytes, group=group)
-    return NetworkProfile(fits=fits, elapsed_s=time.perf_counter() - start, reduce_s_per_byte=extra)
+            extra, extra_cpu = time_reductions(reduction_dtypes, nbytes, group=group, cpu=True)
+    return NetworkProfile(fits=fits, elapsed_s=time.perf_counter() - start, reduce_s_per_byte=extra,
+                          reduce_cpu_s_per_byte=extra_cpu)

@@ -112,10 +112,15 @@ class NetworkProfile:
     #: of float32 (gloo sums float16 element by element through float: several times the
     #: float32 cost on a fast link), measured at one size next to float32
     reduce_s_per_byte: dict[str, float] = field(default_factory=dict)
+    #: the same in host CPU seconds: summing is CPU work even where a slow link hides it
+    #: in wall time, and on a CPU host it competes with backward
+    reduce_cpu_s_per_byte: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for dtype, extra in self.reduce_s_per_byte.items():
             _finite(f"reduce_s_per_byte[{dtype}]", extra)
+        for dtype, extra in self.reduce_cpu_s_per_byte.items():
+            _finite(f"reduce_cpu_s_per_byte[{dtype}]", extra)
 
 
 def predict_loglog(knots: list[list[float]], numel):

@@ -121,6 +121,20 @@ def test_only_the_share_of_a_collective_that_overlaps_backward_slows_it():
     assert loaded.backward_end_s == pytest.approx(free.backward_end_s + 0.5 * 4 * numel * per_byte)
 
 
+def test_summing_cpu_that_a_slow_link_hides_still_slows_a_cpu_backward():
+    numel = 500 * 500  # fp16: 0.5 MB, a 4 ms all-reduce at 1 Gbit/s, wholly inside backward
+    prof = profile([(numel, 10 * MS), (numel, 40 * MS)], kernel_s_per_element={"fp16": (1e-15, 1e-15)})
+    plan = Plan.uniform("fp16", warmup_steps=0)
+    free = PerformanceModel(prof).predict(plan)
+    prof.network.reduce_s_per_byte = {}  # the link hides the summing: no extra wall time
+    prof.network.reduce_cpu_s_per_byte = {"float16": 2e-9}
+    loaded = PerformanceModel(prof).predict(plan)
+    wire = 2 * (numel + 1)  # fp16 payload and the runtime's flag element
+    assert loaded.backward_end_s == pytest.approx(free.backward_end_s + wire * 2e-9, rel=1e-6)
+    assert loaded.buckets[0].comm_end_s - loaded.buckets[0].comm_start_s == pytest.approx(
+        free.buckets[0].comm_end_s - free.buckets[0].comm_start_s)
+
+
 def test_predict_many_charges_collective_cpu_time_as_predict_does():
     numel = 250 * 250
     kernels = {"fp16": (1e-9, 1e-9), "powersgd(rank=4)": (3e-9, 1e-9)}

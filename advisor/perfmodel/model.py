@@ -83,7 +83,8 @@ class NetworkModel:
     """
 
     def __init__(self, fits: Mapping, profiled_world: int, scenario: Scenario,
-                 reduce_s_per_byte: Mapping[str, float] | None = None) -> None:
+                 reduce_s_per_byte: Mapping[str, float] | None = None,
+                 reduce_cpu_s_per_byte: Mapping[str, float] | None = None) -> None:
         self.world = scenario.world_size or profiled_world
         # CPU work a rank does for a collective grows with the bytes it handles: (p-1)/p
         # of its input twice for a ring all-reduce, (p-1) shares for an all-gather
@@ -97,6 +98,13 @@ class NetworkModel:
         rescale = _ring_share(self.world) / _ring_share(profiled_world) if profiled_world > 1 else 1.0
         self.reduce_s_per_byte = {
             dtype: extra * rescale / scenario.compute_speedup for dtype, extra in (reduce_s_per_byte or {}).items()
+        }
+        # the summing's CPU time: a slow link hides it in wall time only; where the CPU
+        # measurement missed it, its wall time (summing on a fast link is CPU work) stands in
+        cpu_extra = {dtype: extra * rescale for dtype, extra in (reduce_cpu_s_per_byte or {}).items()}
+        self.reduce_cpu_s_per_byte = {
+            dtype: max(self.reduce_s_per_byte.get(dtype, 0.0), cpu_extra.get(dtype, 0.0))
+            for dtype in {*self.reduce_s_per_byte, *cpu_extra}
         }
         self.links: dict[str, tuple[float, float]] = {}
         for name, hops in (("all_reduce", lambda p: 2 * (p - 1)), ("all_gather", lambda p: p - 1)):
@@ -133,7 +141,7 @@ class NetworkModel:
             return np.zeros_like(nbytes)
         name = "all_gather" if collective is Collective.ALL_GATHER else "all_reduce"
         latency, per_byte = self.cpu.get(name, (0.0, 0.0))
-        summing = 0.0 if collective is Collective.ALL_GATHER else nbytes * self.reduce_s_per_byte.get(dtype, 0.0)
+        summing = 0.0 if collective is Collective.ALL_GATHER else nbytes * self.reduce_cpu_s_per_byte.get(dtype, 0.0)
         return latency + nbytes * per_byte + summing
 
 
@@ -169,7 +177,7 @@ class PerformanceModel:
         if profile.network is None:
             raise ValueError("the profile has no network measurements; profile again with the network profiler on")
         self.network = NetworkModel(profile.network.fits, profile.environment.world_size, self.scenario,
-                                    profile.network.reduce_s_per_byte)
+                                    profile.network.reduce_s_per_byte, profile.network.reduce_cpu_s_per_byte)
         # communication's CPU time slows backward only where backward runs on the CPU
         self.cpu_interference = str(profile.environment.device).startswith("cpu")
         ready = {p.name: p.ready_s / speed for p in compute.parameters}
