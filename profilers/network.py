@@ -83,11 +83,6 @@ def process_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _timed(op, group) -> float:
-    """Seconds of one op started after a barrier, as the slowest rank saw it."""
-    return _timed_with_cpu(op, group)[0]
-
-
 def _timed_with_cpu(op, group) -> tuple[float, float]:
     """Wall and process CPU seconds of one op started after a barrier (the most any rank saw)."""
     dist.barrier(group=group)
@@ -106,16 +101,15 @@ def time_collective(collective: str, nbytes: int, repeats: int, group=None) -> l
 
 
 def time_reductions(dtypes: Sequence[str], nbytes: int = REDUCTION_PROBE_BYTES[1], repeats: int = REDUCTION_PAIRS,
-                    group=None, cpu: bool = False):
-    """Extra seconds per byte of all-reducing each dtype instead of float32, same bytes.
+                    group=None) -> tuple[dict[str, float], dict[str, float]]:
+    """Extra (wall, CPU) seconds per byte of all-reducing each dtype instead of float32, same bytes.
 
     Each op of a dtype is paired with a float32 op just before it, so drift on a shared
     machine hits both alike, and the same size cancels the latency.  A dtype counts as
     dearer only when nearly every pair says so (a sign test: all but one of ``repeats``);
     on a slow link, where gloo's summing hides behind the transfer, the wall-time
-    differences are noise either way and the extra cost is 0.  With ``cpu``, returns
-    ``(wall, cpu)``: the same test on the process CPU time of the pairs, which sees the
-    summing even where the link hides it.
+    differences are noise either way and the extra cost is 0.  The same test on the
+    process CPU time of the pairs sees the summing even where the link hides it.
     """
     ops = {name: _op("all_reduce", nbytes, group, getattr(torch, name)) for name in ("float32", *dtypes)}
     for op in ops.values():
@@ -136,7 +130,7 @@ def time_reductions(dtypes: Sequence[str], nbytes: int = REDUCTION_PROBE_BYTES[1
             out[name] = statistics.median(diffs) / nbytes if dearer else 0.0
         return out
 
-    return (extra(walls), extra(cpus)) if cpu else extra(walls)
+    return extra(walls), extra(cpus)
 
 
 def algorithm_factor(collective: str, world_size: int) -> float:
@@ -238,6 +232,6 @@ def profile_network(
         expected = per_op * (2 * REDUCTION_PAIRS + 1) * (1 + len(reduction_dtypes))
         # every rank decides from the same (all-reduced) numbers
         if _slowest(time.perf_counter() - start, group=group) + expected <= budget_s:
-            extra, extra_cpu = time_reductions(reduction_dtypes, nbytes, group=group, cpu=True)
+            extra, extra_cpu = time_reductions(reduction_dtypes, nbytes, group=group)
     return NetworkProfile(fits=fits, elapsed_s=time.perf_counter() - start, reduce_s_per_byte=extra,
                           reduce_cpu_s_per_byte=extra_cpu)
