@@ -336,7 +336,7 @@ class IntQuant(Compressor):
         # on CPU (1M values: 0.25 vs 0.50 ms to int64, 0.24 vs 0.30 ms back)
         # (lanes of 32 bits and more, i.e. beyond 2**23 ranks at 8 bits, convert directly)
         narrow_dtype = torch.int32 if lane < 32 else torch.int64
-        narrow = ctx.buffer("lanes32", block_rows * CHUNK, narrow_dtype, inp.device)
+        narrow = ctx.buffer("lanes-narrow", block_rows * CHUNK, narrow_dtype, inp.device)
         generator = rounding_generator(ctx, layout, inp.device)
         for a, b in blocks(rows.shape[0], block_rows):
             codes = quantize_block(rows[a:b], shared[a:b], self.bits, work, generator, ctx.keep_residual)

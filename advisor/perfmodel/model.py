@@ -154,7 +154,7 @@ class CandidateCosts:
     comm_s: np.ndarray
     decode_s: np.ndarray
     wire_bytes: np.ndarray
-    #: host CPU seconds of the collectives (see :meth:`PerformanceModel.segment_cpu_s`)
+    #: host CPU seconds of the collectives (see :meth:`PerformanceModel.segment_cost`)
     comm_cpu_s: np.ndarray | None = None
 
 
@@ -214,21 +214,19 @@ class PerformanceModel:
         speed = self.scenario.compute_speedup
         return enc / speed, dec / speed
 
-    def segment_cost(self, config: CompressorConfig, layout: SegmentLayout) -> tuple[float, float, float, int]:
+    def segment_cost(self, config: CompressorConfig, layout: SegmentLayout) -> tuple[float, float, float, int, float]:
+        """Encode, comm and decode seconds, wire bytes, and the host CPU seconds of the
+        segment's collectives (0 unless backward runs on the CPU)."""
         comp = config.build()
         wires = comp.wire(layout, self.world)
         comm = float(sum(self.network.seconds(w.collective, w.nbytes, w.dtype) for w in wires))
         if self.world > 1:
             comm += self.round_s * len(wires)
+        cpu = 0.0
+        if self.cpu_interference:
+            cpu = float(sum(self.network.cpu_seconds(w.collective, w.nbytes, w.dtype) for w in wires))
         enc, dec = self._kernel_seconds(config, layout.numel)
-        return enc, comm, dec, sum(w.nbytes for w in wires)
-
-    def segment_cpu_s(self, config: CompressorConfig, layout: SegmentLayout) -> float:
-        """Host CPU seconds of the segment's collectives; 0 unless backward runs on the CPU."""
-        if not self.cpu_interference:
-            return 0.0
-        wires = config.build().wire(layout, self.world)
-        return float(sum(self.network.cpu_seconds(w.collective, w.nbytes, w.dtype) for w in wires))
+        return enc, comm, dec, sum(w.nbytes for w in wires), cpu
 
     def candidate_costs(self, configs: Sequence[str | CompressorConfig]) -> CandidateCosts:
         parsed = [parse(c) for c in configs]
@@ -236,8 +234,7 @@ class PerformanceModel:
         enc, comm, dec, wire, cpu = (np.zeros(shape) for _ in range(5))
         for i, layout in enumerate(self.layouts):
             for j, config in enumerate(parsed):
-                enc[i, j], comm[i, j], dec[i, j], wire[i, j] = self.segment_cost(config, layout)
-                cpu[i, j] = self.segment_cpu_s(config, layout)
+                enc[i, j], comm[i, j], dec[i, j], wire[i, j], cpu[i, j] = self.segment_cost(config, layout)
         return CandidateCosts([c.label for c in parsed], enc, comm, dec, wire, cpu)
 
     # --- prediction -----------------------------------------------------------------
@@ -292,11 +289,10 @@ class PerformanceModel:
         labels, wires = [], []
         for b, layout in enumerate(self.layouts):
             segments = _segments(layout, plan)
-            total = np.zeros(4)
+            total = np.zeros(5)
             for seg_layout, config in segments:
                 total += np.array(self.segment_cost(config, seg_layout))
-                cpu[0, b] += self.segment_cpu_s(config, seg_layout)
-            enc[0, b], comm[0, b], dec[0, b] = total[:3]
+            enc[0, b], comm[0, b], dec[0, b], cpu[0, b] = total[0], total[1], total[2], total[4]
             wires.append(int(total[3]))
             labels.append("+".join(dict.fromkeys(c.label for _, c in segments)))
         iteration, backward_end, spans = self._replay(enc, comm, dec, cpu)
