@@ -36,6 +36,9 @@ def render_profile(profile, console: Console | None = None) -> None:
             # the CPU time an op of a 16 MB input costs the host (it competes with a CPU backward)
             net.add_row(name, f"{fit.latency_s * 1e3:.3f}", f"{fit.bandwidth_bps / 1e6:.0f}",
                         f"{fit.cpu_seconds(16 << 20) * 1e3:.1f}", f"{fit.r2:.3f}", str(len(fit.points)))
+        if profile.network.round_s:
+            net.caption = (f"A message round inside a step costs {profile.network.round_s * 1e3:.2f} ms more "
+                           "than the fit (ranks arrive apart, threads wake from idle).")
         console.print(net)
     if profile.kernels is not None:
         kern = Table(title=f"Compressor cost on {profile.kernels.device} (fitted, per 1M elements)")

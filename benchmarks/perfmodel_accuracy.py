@@ -128,9 +128,10 @@ def evaluate(profile, per_round: dict[str, list[float]]) -> dict:
     loo, loo_overlap = {}, {}
     for name in plans:
         others = [n for n in plans if n != name]
-        for out, grid in ((loo, PerformanceModel.ROUND_GRID_S), (loo_overlap, (0.0,))):
+        for out, grid in ((loo, PerformanceModel.ROUND_GRID_S), (loo_overlap, None)):
             m = PerformanceModel(profile)
-            m.ROUND_GRID_S = grid  # (0.0,): the overlap factor alone, for comparison
+            # None: the overlap factor alone (round_s as profiled), for comparison
+            m.ROUND_GRID_S = grid if grid is not None else (m.round_s,)
             m.calibrate([plans[n] for n in others], [measured[n] for n in others])
             out[name] = m.predict(plans[name]).iteration_s
     err = {n: abs(raw[n] - measured[n]) / measured[n] for n in plans}

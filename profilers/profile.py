@@ -115,8 +115,12 @@ class NetworkProfile:
     #: the same in host CPU seconds: summing is CPU work even where a slow link hides it
     #: in wall time, and on a CPU host it competes with backward
     reduce_cpu_s_per_byte: dict[str, float] = field(default_factory=dict)
+    #: extra seconds a message round costs inside a training step beyond what the
+    #: back-to-back fits say (see :func:`profilers.network.time_step_rounds`)
+    round_s: float = 0.0
 
     def __post_init__(self) -> None:
+        _finite("round_s", self.round_s)
         for dtype, extra in self.reduce_s_per_byte.items():
             _finite(f"reduce_s_per_byte[{dtype}]", extra)
         for dtype, extra in self.reduce_cpu_s_per_byte.items():

@@ -9,7 +9,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from advisor.workloads import Workload, mlp, small_cnn
 from profilers.compute import profile_compute
-from profilers.network import profile_network, time_reductions
+from profilers.network import profile_network, time_reductions, time_step_rounds
+from profilers.profile import CollectiveFit
 
 
 def network_only(rank: int, world_size: int):
@@ -24,6 +25,14 @@ def summing_costs(rank: int, world_size: int):
     # 32 MiB: float16's extra summing (~0.5-0.9 ns a byte over loopback) stands well above
     # the milliseconds of scheduling jitter a busy machine adds to any one op
     return time_reductions(("float16", "int64"), 32 << 20)
+
+
+def step_rounds_against(rank: int, world_size: int):
+    """time_step_rounds against a fit that predicts nothing, and one that predicts a second."""
+    def fit(latency_s: float) -> CollectiveFit:
+        return CollectiveFit("all_reduce", world_size, latency_s, 0.0, 1e9, 1.0, [])
+
+    return time_step_rounds(fit(0.0), rounds=10), time_step_rounds(fit(1.0), rounds=10)
 
 
 def compute_of(rank: int, world_size: int, which: str):

@@ -182,6 +182,12 @@ def test_report_renders_a_profile(runner, tmp_path):
     path = _tuning_profile_path(tmp_path, 1e9)
     result = runner.invoke(main, ["report", str(path)])
     assert result.exit_code == 0 and "Cluster profile" in result.output
+    assert "A message round inside a step" not in result.output  # none measured
+    doc = json.loads(path.read_text())
+    doc["network"]["round_s"] = 0.0021
+    path.write_text(json.dumps(doc))
+    result = runner.invoke(main, ["report", str(path)])
+    assert "A message round inside a step costs 2.10 ms" in result.output
 
 
 @pytest.mark.parametrize("content, message", [

@@ -303,3 +303,29 @@ def test_every_synchronous_round_costs_round_s():
         assert PerformanceModel(prof, round_s=3e-3).predict(plan).iteration_s - base == pytest.approx(rounds * 3e-3)
     with pytest.raises(ValueError, match="round_s"):
         PerformanceModel(prof, round_s=-1.0)
+
+
+def test_the_per_round_cost_the_network_profiler_measured_is_charged_by_default():
+    per = {"powersgd(rank=4)": (1e-9, 1e-9)}
+    prof = profile([(1000 * 1000, 40 * MS)], kernel_s_per_element=per)
+    plan = Plan.uniform("powersgd(rank=4)", warmup_steps=0)  # two rounds
+    without = PerformanceModel(prof).predict(plan).iteration_s
+    measured = dataclasses.replace(prof, network=dataclasses.replace(prof.network, round_s=2e-3))
+    assert PerformanceModel(measured).round_s == 2e-3
+    assert PerformanceModel(measured).predict(plan).iteration_s - without == pytest.approx(2 * 2e-3)
+    # an explicit value (a calibrated one) replaces the profiled one
+    assert PerformanceModel(measured, round_s=0.0).predict(plan).iteration_s == pytest.approx(without)
+    # calibrating on one plan learns the overlap alone and keeps the profiled per-round cost
+    model = PerformanceModel(measured)
+    model.calibrate([plan], [PerformanceModel(measured).predict(plan).iteration_s])
+    assert model.round_s == 2e-3
+
+
+def test_profiles_saved_before_the_per_round_measurement_load_with_none(tmp_path):
+    prof = profile([(1000 * 1000, 40 * MS)])
+    doc = prof.to_dict()
+    del doc["network"]["round_s"]
+    assert ClusterProfile.from_dict(doc).network.round_s == 0.0
+    doc["network"]["round_s"] = -1.0
+    with pytest.raises(ValueError, match="round_s"):
+        ClusterProfile.from_dict(doc)

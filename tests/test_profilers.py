@@ -89,6 +89,16 @@ def test_the_network_profile_records_the_cpu_time_collectives_cost_the_host():
     assert 0 < fit.cpu_seconds(sixteen_mb) < 4 * fit.predict(sixteen_mb)
 
 
+def test_a_round_issued_after_compute_is_measured_beyond_the_back_to_back_fit():
+    results = launch_local(pp.step_rounds_against, 2, timeout=120)
+    assert results[0] == results[1]  # the slowest rank's, on every rank
+    against_nothing, against_a_second = results[0]
+    # a fit that predicts 0 leaves the whole wait; the wait is real time, so above 0
+    assert 0 < against_nothing < 0.5
+    # a fit that predicts more than any round took: no extra cost, never a negative one
+    assert against_a_second == 0.0
+
+
 def test_summing_float16_is_measured_dearer_than_float32_per_byte():
     # gloo adds float16 element by element through float: over loopback, where summing
     # rather than the link bounds an all-reduce, that shows (measured here: 2.7x float32)
@@ -154,6 +164,7 @@ def test_a_whole_profile_at_1_gbit_fits_in_a_minute_and_round_trips(tmp_path):
                             configs=["fp16", "powersgd(rank=4)", "topk(ratio=0.01)"], timeout=300)
     assert time.monotonic() - start < 90
     assert profile.network.elapsed_s <= 30
+    assert 0 <= profile.network.round_s < 0.05  # measured: about 2 ms a round at 1 Gbit/s
     assert profile.environment.world_size == 2 and "1000 Mbit/s" in profile.environment.note
     assert {e.config for e in profile.fidelity.entries} == {"fp16", "powersgd(rank=4)", "topk(ratio=0.01)"}
     fp16 = [e for e in profile.fidelity.entries if e.config == "fp16"]

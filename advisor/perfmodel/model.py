@@ -19,12 +19,15 @@ and decode):
   collective's time is CPU time, so "overlapped" communication is not free there;
 * the optimizer runs when backward and every decode are done.
 
+Every message round also costs ``round_s`` beyond the network fit: the fits time ops back
+to back, with the ranks arriving together and their threads awake, while in a step each
+round follows compute of its own, so ranks arrive apart and wake from idle.  The network
+profiler measures it (``NetworkProfile.round_s``, about 2 ms on the emulated cluster).
+
 Two calibration terms are learned from measured step times by
 :meth:`PerformanceModel.calibrate`, not guessed: ``overlap`` stretches the
 backward-and-communication part (imperfect overlap; 1.0 until calibrated), and
-``round_s`` is a fixed cost of every synchronous message round beyond the network fit
-(a rank waits for its peers' threads to be scheduled, which a fit measured on an idle
-device does not see; 0 until calibrated).
+``round_s`` replaces the profiled per-round cost.
 
 Everything is vectorised over plans: ``predict_many`` takes a (plans x buckets) matrix of
 config indices and loops over buckets only.
@@ -162,11 +165,15 @@ class PerformanceModel:
     """Predict iteration timelines from a :class:`profilers.profile.ClusterProfile`."""
 
     def __init__(self, profile, scenario: Scenario | None = None, overlap: float = 1.0,
-                 round_s: float = 0.0) -> None:
+                 round_s: float | None = None) -> None:
+        """``round_s``: cost of a message round beyond the network fit; by default what
+        the profile measured (0 for profiles from before that measurement)."""
         self.profile = profile
         self.scenario = scenario or Scenario()
         if not overlap > 0:
             raise ValueError(f"overlap={overlap!r}; allowed: > 0")
+        if round_s is None:
+            round_s = profile.network.round_s if profile.network is not None else 0.0
         if not (math.isfinite(round_s) and round_s >= 0):
             raise ValueError(f"round_s={round_s!r}; allowed: a finite number >= 0")
         self.overlap = overlap
@@ -318,7 +325,8 @@ class PerformanceModel:
 
         Least squares: for each ``round_s`` on a grid (0 to 10 ms; the replay is not
         linear in it), ``overlap`` in closed form; the pair with the smallest squared
-        error wins.  With a single plan only ``overlap`` is learned (``round_s`` = 0).
+        error wins.  With a single plan only ``overlap`` is learned (``round_s`` stays as
+        profiled).
         """
         if len(plans) != len(measured_s) or not plans:
             raise ValueError("calibrate needs one measured step time per plan, and at least one plan")
@@ -326,7 +334,7 @@ class PerformanceModel:
         saved = self.overlap, self.round_s
         best = None
         try:
-            for round_s in self.ROUND_GRID_S if len(plans) > 1 else (0.0,):
+            for round_s in self.ROUND_GRID_S if len(plans) > 1 else (saved[1],):
                 self.overlap, self.round_s = 1.0, round_s
                 ends = np.array([self.predict(p).iteration_s - self.forward_s - self.optimizer_s for p in plans])
                 overlap = float(np.dot(ends, target) / max(np.dot(ends, ends), 1e-18))
