@@ -189,24 +189,39 @@ def algorithm_factor(collective: str, world_size: int) -> float:
     return float(p - 1)  # broadcast: gloo's root sends every peer a full copy (measured)
 
 
+def _huber_line(x: np.ndarray, y: np.ndarray, weights: np.ndarray | None = None) -> HuberRegressor:
+    scale = x.max()
+    model = HuberRegressor(epsilon=1.5, alpha=0.0, max_iter=1000)
+    w = None if weights is None else weights / weights.mean()
+    model.fit(x[:, None] / scale, y, sample_weight=w)
+    model.x_scale_ = scale
+    return model
+
+
 def _robust_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     """(intercept, slope) of a Huber fit of ``y`` against ``x``, both clipped at 0.
 
-    Two passes.  The first, unweighted, is set by the large messages (bandwidth); the
-    second weights each point by 1 / the first fit's prediction, so every size counts
-    about equally in relative terms and small messages (which carry the latency) are not
-    drowned by large ones.  Weights come from the prediction, not the measurement:
-    weighted by its own time, a 0.3 ms small op among 4 ms ones (both happen here,
-    depending on whether a rank's threads were awake) outweighed the large messages
-    and once fitted a 100 Mbit/s link at 1.1 Gbit/s.
+    Points are weighted ~1/time, so every size counts about equally in relative terms and
+    small messages (which carry the latency) are not drowned by large ones.  A point
+    weighted by its own time can outweigh everything else, though: a 0.3 ms small op
+    among 4 ms ones (both happen here, depending on whether a rank's threads were awake)
+    once fitted a 100 Mbit/s link at 1.1 Gbit/s.  So a second fit weights by an
+    unweighted first fit's prediction instead, which no single point sets, and the
+    self-weighted fit stands only where it explains the points about as well (R²).
     """
-    scale = x.max()
-    first = HuberRegressor(epsilon=1.5, alpha=0.0, max_iter=1000).fit(x[:, None] / scale, y)
+    own = _huber_line(x, y, 1.0 / np.maximum(y, 1e-9))
+    first = _huber_line(x, y)
     floor = max(float(np.median(y[x == x.min()])), 1e-9)
-    weights = 1.0 / np.maximum(first.predict(x[:, None] / scale), floor)
-    model = HuberRegressor(epsilon=1.5, alpha=0.0, max_iter=1000)
-    model.fit(x[:, None] / scale, y, sample_weight=weights / weights.mean())
-    return max(float(model.intercept_), 0.0), max(float(model.coef_[0]) / scale, 0.0)
+    guarded = _huber_line(x, y, 1.0 / np.maximum(first.predict(x[:, None] / first.x_scale_), floor))
+
+    def line(model) -> tuple[float, float]:
+        return max(float(model.intercept_), 0.0), max(float(model.coef_[0]) / model.x_scale_, 0.0)
+
+    def r2(fit: tuple[float, float]) -> float:
+        return float(r2_score(y, fit[0] + x * fit[1])) if len(y) > 2 else 1.0
+
+    own_fit, guarded_fit = line(own), line(guarded)
+    return own_fit if r2(own_fit) >= r2(guarded_fit) - 0.05 else guarded_fit
 
 
 def fit_collective(
