@@ -25,8 +25,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
-from sklearn.linear_model import HuberRegressor
 from scipy.stats import trim_mean
+from sklearn.linear_model import HuberRegressor
 from sklearn.metrics import r2_score
 
 from .profile import CollectiveFit, NetworkProfile
@@ -189,13 +189,12 @@ def algorithm_factor(collective: str, world_size: int) -> float:
     return float(p - 1)  # broadcast: gloo's root sends every peer a full copy (measured)
 
 
-def _huber_line(x: np.ndarray, y: np.ndarray, weights: np.ndarray | None = None) -> HuberRegressor:
+def _huber_line(x: np.ndarray, y: np.ndarray, weights: np.ndarray | None = None) -> tuple[float, float]:
+    """(intercept, slope) of a Huber fit of ``y`` against ``x``, unclipped."""
     scale = x.max()
     model = HuberRegressor(epsilon=1.5, alpha=0.0, max_iter=1000)
-    w = None if weights is None else weights / weights.mean()
-    model.fit(x[:, None] / scale, y, sample_weight=w)
-    model.x_scale_ = scale
-    return model
+    model.fit(x[:, None] / scale, y, sample_weight=None if weights is None else weights / weights.mean())
+    return float(model.intercept_), float(model.coef_[0]) / scale
 
 
 def _robust_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
@@ -209,19 +208,17 @@ def _robust_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     unweighted first fit's prediction instead, which no single point sets, and the
     self-weighted fit stands only where it explains the points about as well (R²).
     """
-    own = _huber_line(x, y, 1.0 / np.maximum(y, 1e-9))
-    first = _huber_line(x, y)
+    def clipped(line: tuple[float, float]) -> tuple[float, float]:
+        return max(line[0], 0.0), max(line[1], 0.0)
+
+    def r2(line: tuple[float, float]) -> float:
+        return float(r2_score(y, line[0] + x * line[1])) if len(y) > 2 else 1.0
+
+    own = clipped(_huber_line(x, y, 1.0 / np.maximum(y, 1e-9)))
+    intercept, slope = _huber_line(x, y)
     floor = max(float(np.median(y[x == x.min()])), 1e-9)
-    guarded = _huber_line(x, y, 1.0 / np.maximum(first.predict(x[:, None] / first.x_scale_), floor))
-
-    def line(model) -> tuple[float, float]:
-        return max(float(model.intercept_), 0.0), max(float(model.coef_[0]) / model.x_scale_, 0.0)
-
-    def r2(fit: tuple[float, float]) -> float:
-        return float(r2_score(y, fit[0] + x * fit[1])) if len(y) > 2 else 1.0
-
-    own_fit, guarded_fit = line(own), line(guarded)
-    return own_fit if r2(own_fit) >= r2(guarded_fit) - 0.05 else guarded_fit
+    guarded = clipped(_huber_line(x, y, 1.0 / np.maximum(intercept + slope * x, floor)))
+    return own if r2(own) >= r2(guarded) - 0.05 else guarded
 
 
 def fit_collective(
