@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from policies import accuracy_gate as gate
 from policies.base import Policy
 from policies.do_no_harm import CANDIDATE, FP32, SIXTEEN_BIT, LiveMeasurement, decide
 from policies.greedy import GreedyPolicy
@@ -40,19 +41,23 @@ from policies.learned import MeasurementSet, plan_features
 from policies.optuna_search import OptunaPolicy
 from policies.problem import DEFAULT_REFERENCE, TuningProblem
 
+from .accuracy import AccuracyTrial
 from .compressors.registry import parse
 from .live import LossFn, measure_plans
 from .report import AutotuneResult, bucket_rows
 from .runtime import Plan, install
 from .schema import check_int
+from .workloads import Evaluator
 
 log = logging.getLogger("advisor.autotune")
 
 #: Several PowerSGD ranks, so buckets can trade accuracy between them under one budget
 #: (L-GreCo): a cheap rank on a big bucket paid for by a precise config on a small one.
+#: The precise end (rank 16, 8-bit integers summed in the all-reduce) stays available when the
+#: accuracy trial rejects the aggressive configs.
 DEFAULT_CANDIDATES = (
     "none", "fp16", "bf16", "powersgd(rank=1)", "powersgd(rank=2)", "powersgd(rank=4)",
-    "powersgd(rank=8)", "topk(ratio=0.01)", "intquant(bits=8, packed=0)",
+    "powersgd(rank=8)", "powersgd(rank=16)", "topk(ratio=0.01)", "intquant(bits=8, packed=0)",
 )
 POLICIES = ("optuna", "greedy")
 
@@ -88,7 +93,13 @@ def autotune(
     *,
     candidates: Sequence[str] = DEFAULT_CANDIDATES,
     budget: float | None = None,
-    reference: str | None = DEFAULT_REFERENCE,
+    reference: str | None = None,
+    evaluate: Evaluator | None = None,
+    held_out: Sequence[Any] | None = None,
+    metric: str = "loss",
+    accuracy_trial: bool = True,
+    trial_s: float = 30.0,
+    fidelity_measure: str | None = None,
     policy: str | Policy = "optuna",
     trials: int = 2000,
     top: int = 3,
@@ -107,18 +118,40 @@ def autotune(
 ) -> AutotuneResult:
     """Find, prove and install the best plan for this model on this cluster; every rank calls it.
 
-    ``loss_fn(model, batch) -> loss``; ``batches``: a few representative batches (the
-    profilers and the live runs cycle through them).  ``candidates``: configs the policy may
-    choose per bucket (``none`` is always one).  ``budget``: the largest size-weighted
-    fidelity error allowed (default: that of ``reference`` everywhere).  ``top``: how many
-    of the best predicted plans are measured live, in ``rounds`` interleaved rounds of up to
-    ``steps`` steps (fewer for slow plans: about ``measure_s`` seconds a plan and round).  ``residual_model``: a fitted
-    :class:`policies.learned.ResidualModel` that corrects predictions when ranking, or the
-    path of a measurement set to fit one from; ``measurements_path``: append this run's live
-    measurements (with their model features) to that measurement set file.
-    ``warmup_steps``: uncompressed steps at the start of the installed plan.  Returns an
-    :class:`AutotuneResult`; ``result.hook`` is the installed hook (None when the advice is
-    native fp32).
+    Args:
+        ddp_model: the user's DDP model; it ends with the weights it began with.
+        loss_fn: ``loss_fn(model, batch) -> loss``.
+        batches: representative training batches (the profilers, the accuracy trial and
+            the live runs cycle through them; more batches make the trial surer).
+        optimizer: the training optimizer; the accuracy trial and the update-error fidelity
+            replay clones of it (its state too).  Without it accuracy cannot be trialled.
+        candidates: configs the policy may choose per bucket (``none`` is always one).
+        budget: the largest size-weighted fidelity error allowed.  Default: earned in the
+            accuracy trial (the largest error of a uniform plan that kept up with fp32).
+        reference: a config the user trusts; the budget is then its error everywhere.
+        evaluate: ``evaluate(model) -> {metric: value}`` on held-out data (default: the
+            held-out loss over ``held_out``, or over the last quarter of ``batches``).
+        metric: the value of ``evaluate`` that decides (lower is better unless it names an
+            accuracy-like metric).
+        accuracy_trial: trial every short-listed plan for accuracy (the gate); False trusts
+            the budget alone.
+        trial_s: the accuracy trial's time budget in seconds.
+        fidelity_measure: ``"update"`` or ``"gradient"`` (default: update where measured).
+        top, rounds, steps, measure_s: how many of the best predicted plans are measured live,
+            in how many interleaved rounds of up to how many steps (about ``measure_s`` a plan
+            and round).
+        warmup_steps: uncompressed steps at the start of the installed plan.
+        residual_model: a fitted :class:`policies.learned.ResidualModel` (or the path of a
+            measurement set) that corrects predictions when ranking.
+        measurements_path: append this run's live measurements to that measurement set file.
+
+    Returns:
+        An :class:`AutotuneResult`; ``result.hook`` is the installed hook (None when the
+        advice is native fp32); ``result.accuracy`` the trial's report.
+
+    Raises:
+        ValueError: a bad argument (before any work), or an ``evaluate`` that fails or
+            returns non-finite values during the trial (on every rank; nothing changed).
     """
     # --- validate everything before any work --------------------------------------
     if not isinstance(ddp_model, DistributedDataParallel):
@@ -126,8 +159,12 @@ def autotune(
     if not dist.is_initialized():
         raise RuntimeError("autotune needs an initialised process group (torchrun, or advisor.launch)")
     labels = list(dict.fromkeys(parse(c).label for c in ["none", *candidates]))
-    if reference is not None and budget is None and parse(reference).label not in labels:
-        labels.append(parse(reference).label)
+    earn = budget is None and reference is None
+    gated = accuracy_trial and optimizer is not None
+    # the reference sets the budget when given, and when none can be earned (it is then assumed)
+    fallback = reference if reference is not None else (DEFAULT_REFERENCE if earn else None)
+    if fallback is not None and budget is None and parse(fallback).label not in labels:
+        labels.append(parse(fallback).label)
     chosen_policy = _policy(policy, trials)
     for name, value, minimum in (("trials", trials, 1), ("top", top, 1), ("rounds", rounds, 1),
                                  ("steps", steps, 1), ("warmup_steps", warmup_steps, 0)):
@@ -136,6 +173,10 @@ def autotune(
         raise ValueError(f"min_gain={min_gain!r}; allowed: 0 <= min_gain < 1")
     if not measure_s > 0:
         raise ValueError(f"measure_s={measure_s!r}; allowed: > 0 seconds")
+    if not (isinstance(trial_s, (int, float)) and trial_s > 0):
+        raise ValueError(f"trial_s={trial_s!r}; allowed: > 0 seconds")
+    if evaluate is not None and not callable(evaluate):
+        raise TypeError(f"evaluate={evaluate!r}; allowed: a callable evaluate(model) -> {{metric: value}}")
     batches = list(batches)
     if not batches:
         raise ValueError("autotune needs at least one batch")
@@ -155,8 +196,46 @@ def autotune(
     profile = ClusterProfile.from_dict(_broadcast(profile.to_dict(), group))  # one profile for all ranks
     t_profiled = time.perf_counter()
 
-    # --- 2. search (rank 0) ---------------------------------------------------------
-    problem = TuningProblem.from_profile(profile, labels, budget=budget, reference=reference)
+    # --- 2. the budget: given, a trusted reference's, or earned in the accuracy trial ------
+    if earn and not gated:
+        reference = DEFAULT_REFERENCE  # nothing to earn a budget with: say so in the result
+    problem = TuningProblem.from_profile(profile, labels, budget=0.0 if earn and gated else budget,
+                                         reference=reference, fidelity_measure=fidelity_measure)
+    if earn and not gated:
+        budget_source = (f"assumed: the error of {reference} everywhere (no accuracy trial: "
+                         + ("accuracy_trial=False)" if optimizer is not None else "no optimizer given)"))
+    elif reference is not None and budget is None:
+        budget_source = f"given: the error of {problem.reference} everywhere"
+    else:
+        budget_source = "given" if not earn else "earned"
+    sixteen = _sixteen_bit(problem)
+    trial = None
+    arms: dict[bytes, Any] = {}  # choices -> the trial's ArmResult
+    if gated:
+        lossy = sorted((c for c in problem.configs if c not in ("none", "fp16", "bf16")),
+                       key=lambda c: float(problem.fidelity_error(problem.uniform(c))[0]))
+        probes = math.ceil(math.log2(len(lossy) + 1)) if earn else 0
+        trial = AccuracyTrial(ddp_model, loss_fn, batches, optimizer, evaluate=evaluate, held_out=held_out,
+                              metric=metric, time_budget_s=trial_s, group=group, progress=say,
+                              arms_expected=2 + (sixteen is not None) + probes + top + 1)
+        say("accuracy trial: fp32 twice, in two batch orders")
+        trial.start()
+        if sixteen is not None:
+            choices = problem.uniform(sixteen)[0]
+            arms[choices.tobytes()] = trial.trial(sixteen, Plan.uniform(sixteen, warmup_steps=0), gate.SIXTEEN_BIT,
+                                                  f"{sixteen} everywhere", _error(problem, choices))
+        if earn and trial.report().informative:
+            problem.budget, budget_source = _earn_budget(problem, trial, lossy, arms, sixteen)
+        elif earn:
+            problem.budget = _reference_budget(problem, DEFAULT_REFERENCE)
+            budget_source = (f"assumed: the error of {DEFAULT_REFERENCE} everywhere; fp32 did not improve the "
+                             f"held-out {metric} in the trial ({trial.report().progress:+.2%}), so no budget could "
+                             "be earned (pass batches of real data, held out)")
+        trial.report().budget, trial.report().budget_reason = problem.budget, budget_source
+        trial.report().fidelity_measure = problem.fidelity_measure
+    t_trialled = time.perf_counter()
+
+    # --- 3. search (rank 0) ---------------------------------------------------------
     if residual_model is not None:
         if isinstance(residual_model, (str, os.PathLike)):
             residual_model = MeasurementSet.load(residual_model).fit()
@@ -168,36 +247,44 @@ def autotune(
     found = _broadcast(found, group)
     t_searched = time.perf_counter()
 
-    # --- 3. measure the top candidates live next to the baselines ------------------------
+    # --- 4. short-list, gate for accuracy, measure live next to the baselines -----------
     plans: dict[str, Plan] = {}
     kinds: dict[str, str] = {"fp32": FP32}
     described: dict[str, str] = {"fp32": "fp32 (native DDP, no hook)"}
     predicted: dict[str, float] = {"fp32": float(problem.predict(problem.uniform("none"))[0])}
     choices_of: dict[str, np.ndarray] = {"fp32": problem.uniform("none")[0]}
-    # the 16-bit baseline: the cast the model predicts faster (fp16 on a tie: finer mantissa);
-    # both cost the same bytes, and measuring one saves cluster time on slow links
-    sixteen = [c for c in ("fp16", "bf16") if c in problem.configs]
-    if sixteen:
-        c = min(sixteen, key=lambda c: float(problem.predict(problem.uniform(c))[0]) * (1 + 0.02 * (c == "bf16")))
-        plans[c] = Plan.uniform(c, warmup_steps=0)
-        kinds[c], described[c] = SIXTEEN_BIT, f"{c} everywhere"
-        choices_of[c] = problem.uniform(c)[0]
-        predicted[c] = float(problem.predict(problem.uniform(c))[0])
-    seen = {v.tobytes() for v in choices_of.values()} | {problem.uniform(c)[0].tobytes() for c in sixteen}
-    # for diversity, the fastest feasible uniform compressed plan joins the search's top plans:
-    # neighbours of one plan tend to share the model's blind spots
-    uniform = [problem.uniform(c)[0] for c in problem.configs if c not in ("none", "fp16", "bf16")]
-    uniform = [u for u in uniform if problem.feasible(u[None, :])[0]]
-    extra = [min(uniform, key=lambda u: float(problem.predict(u[None, :])[0]))] if uniform else []
-    for choices in found.top(top) + extra:
+    rejected: list[str] = []
+    if sixteen is not None:
+        choices = problem.uniform(sixteen)[0]
+        arm = arms.get(choices.tobytes())
+        if arm is None or arm.accepted:
+            plans[sixteen] = Plan.uniform(sixteen, warmup_steps=0)
+            kinds[sixteen], described[sixteen] = SIXTEEN_BIT, f"{sixteen} everywhere"
+            choices_of[sixteen] = choices
+            predicted[sixteen] = float(problem.predict(problem.uniform(sixteen))[0])
+        else:
+            rejected.append(arm.reason)
+    seen = {v.tobytes() for v in choices_of.values()} | {problem.uniform(c)[0].tobytes() for c in ("fp16", "bf16")
+                                                         if c in problem.configs}
+    for choices in _short_list(problem, found, top):
         if choices.tobytes() in seen:
             continue
         seen.add(choices.tobytes())
         label = f"candidate {sum(k == CANDIDATE for k in kinds.values()) + 1}"
+        description = problem.describe(choices)
+        if trial is not None:
+            arm = arms.get(choices.tobytes())
+            if arm is None:
+                arm = arms[choices.tobytes()] = trial.trial(label, problem.plan(choices, warmup_steps=0),
+                                                            gate.CANDIDATE, description, _error(problem, choices))
+            if not arm.accepted:
+                rejected.append(arm.reason)
+                continue
         choices_of[label] = choices
         plans[label] = problem.plan(choices, warmup_steps=0)
-        kinds[label], described[label] = CANDIDATE, problem.describe(choices)
+        kinds[label], described[label] = CANDIDATE, description
         predicted[label] = float(problem.predict(choices[None, :])[0])
+    t_gated = time.perf_counter()
     # a slow plan is measured with fewer steps: about measure_s of steps per plan and round
     # (at least one), so a slow baseline on a slow link does not dominate the tuning time
     plan_steps = {label: max(1, min(steps, math.ceil(measure_s / max(predicted[label], 1e-6))))
@@ -209,14 +296,16 @@ def autotune(
                 for label in rounds_s]
     t_measured = time.perf_counter()
 
-    # --- 4. decide: rank 0 decides, the others verify --------------------------------------
+    # --- 5. decide: rank 0 decides, the others verify --------------------------------------
     mine = decide(measured, min_gain=min_gain)
     decision = _broadcast(mine, group)
     if decision.chosen != mine.chosen:
         log.warning("rank %d would have chosen %s; following rank 0's decision (%s)", _rank(group),
                     mine.chosen, decision.chosen)
+    if rejected:
+        decision.reason += "; rejected for accuracy: " + "; ".join(rejected)
 
-    # --- 5. install ----------------------------------------------------------------------
+    # --- 6. install ----------------------------------------------------------------------
     chosen_choices = choices_of[decision.chosen]
     if decision.kind == CANDIDATE:
         final = problem.plan(chosen_choices, warmup_steps=warmup_steps,
@@ -230,15 +319,75 @@ def autotune(
         hook = install(ddp_model, final, group=group)
 
     result = _result(problem, found, decision, measured, predicted, described, final, chosen_choices,
-                     profile, where, {"profile": t_profiled - t_start, "search": t_searched - t_profiled,
-                                      "measure": t_measured - t_searched,
+                     profile, where, {"profile": t_profiled - t_start, "accuracy": (t_trialled - t_profiled)
+                                      + (t_gated - t_searched), "search": t_searched - t_trialled,
+                                      "measure": t_measured - t_gated,
                                       "total": time.perf_counter() - t_start})
     result.searched_top = [problem.describe(c) for c in found.top(top)]
     result.measurements = _measurements(problem, choices_of, described, rounds_s, result.where)
+    result.accuracy = trial.report() if trial is not None else None
+    result.budget_source = budget_source
+    result.fidelity_measure = problem.fidelity_measure
     if measurements_path is not None and _rank(group) == 0:
         _append_measurements(measurements_path, result.measurements)
     result.hook = hook
     return result
+
+
+def _sixteen_bit(problem) -> str | None:
+    """The 16-bit baseline: the cast the model predicts faster (fp16 on a tie: finer mantissa).
+
+    Both cost the same bytes; measuring one saves cluster time on slow links.
+    """
+    sixteen = [c for c in ("fp16", "bf16") if c in problem.configs]
+    if not sixteen:
+        return None
+    return min(sixteen, key=lambda c: float(problem.predict(problem.uniform(c))[0]) * (1 + 0.02 * (c == "bf16")))
+
+
+def _reference_budget(problem, reference: str) -> float:
+    label = parse(reference).label
+    if label not in problem.configs:
+        return 0.0
+    return float(problem.fidelity_error(problem.uniform(label))[0])
+
+
+def _error(problem, choices) -> float:
+    return float(problem.fidelity_error(np.asarray(choices)[None, :])[0])
+
+
+def _earn_budget(problem, trial, lossy: Sequence[str], arms: dict, sixteen: str | None) -> tuple[float, str]:
+    """Bisect the uniform lossy plans (sorted by error) for the largest error that keeps up with fp32.
+
+    Accuracy is taken to fall as the error grows, so ceil(log2(n + 1)) trials find it.
+    """
+    low, high = -1, len(lossy)  # every plan up to ``low`` passed; the first failure is at or below ``high``
+    while high - low > 1:
+        mid = (low + high) // 2
+        choices = problem.uniform(lossy[mid])[0]
+        arm = trial.trial(lossy[mid], Plan.uniform(lossy[mid], warmup_steps=0), gate.LADDER,
+                          f"{lossy[mid]} everywhere", _error(problem, choices))
+        arms[choices.tobytes()] = arm
+        low, high = (mid, high) if arm.accepted else (low, mid)
+    trialled = [(a.fidelity_error, a.accepted) for a in arms.values() if a.fidelity_error is not None]
+    earned = gate.earned_budget(trialled)
+    steps = trial.report().steps
+    if earned is not None and low >= 0:
+        return earned, (f"earned: the {problem.fidelity_measure} error of {lossy[low]} everywhere, the most "
+                        f"distorting uniform plan that kept up with fp32 in a {steps}-step trial")
+    if earned is not None:
+        return earned, (f"earned: only {sixteen} kept up with fp32 in a {steps}-step trial; every uniform "
+                        "compressed plan trialled fell behind")
+    return 0.0, f"earned: no compressed or 16-bit plan kept up with fp32 in a {steps}-step trial"
+
+
+def _short_list(problem, found, top: int) -> list[np.ndarray]:
+    """The search's top plans, plus the fastest feasible uniform compressed plan for diversity:
+    neighbours of one plan tend to share the model's blind spots."""
+    uniform = [problem.uniform(c)[0] for c in problem.configs if c not in ("none", "fp16", "bf16")]
+    uniform = [u for u in uniform if problem.feasible(u[None, :])[0]]
+    extra = [min(uniform, key=lambda u: float(problem.predict(u[None, :])[0]))] if uniform else []
+    return list(found.top(top)) + extra
 
 
 def _result(problem, found, decision, measured, predicted, described, final, choices, profile, where, seconds):

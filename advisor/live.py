@@ -22,7 +22,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from profilers.compute import slowest
-from profilers.training_state import StateGuard
+from profilers.training_state import StateGuard, clone_optimizer
 
 from .runtime import CompressionHook, Plan, install
 from .schema import check_int
@@ -59,18 +59,23 @@ def bucketing_kwargs(ddp: DistributedDataParallel) -> dict[str, Any]:
     return kwargs
 
 
-def shadow_of(ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer | None):
-    """A copy of the module in its own DDP wrapper (same buckets), with a like optimizer."""
+def shadow_ddp(ddp: DistributedDataParallel) -> DistributedDataParallel:
+    """A copy of ``ddp``'s module (its current weights) in its own DDP wrapper, with the same buckets."""
     module = copy.deepcopy(ddp.module)
     with warnings.catch_warnings():  # newer PyTorch renames broadcast_buffers; same meaning
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
-        shadow = DistributedDataParallel(module, process_group=ddp.process_group, **bucketing_kwargs(ddp))
+        return DistributedDataParallel(module, process_group=ddp.process_group, **bucketing_kwargs(ddp))
+
+
+def shadow_of(ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer | None):
+    """A shadow DDP copy with a clone of ``optimizer`` (its state too), for timing steps."""
+    shadow = shadow_ddp(ddp)
     opt = None
     if optimizer is not None:
         try:
-            opt = type(optimizer)(module.parameters(), **optimizer.defaults)
-        except TypeError:  # an optimizer whose defaults are not its constructor arguments
-            opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+            opt = clone_optimizer(optimizer, ddp.module, shadow.module)
+        except (TypeError, ValueError):  # timing needs a step of like cost, not this exact optimizer
+            opt = torch.optim.SGD(shadow.module.parameters(), lr=1e-3)
     return shadow, opt
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from policies.do_no_harm import LiveMeasurement
 from policies.learned import Measurement
 
+from .accuracy import AccuracyTrialReport
 from .runtime.plan import Plan
 from .schema import VersionedDocument
 
@@ -73,6 +74,10 @@ class AutotuneResult(VersionedDocument):
     searched_top: list[str] = field(default_factory=list)
     #: every live-measured plan with its model features: data for the learned correction
     measurements: list[Measurement] = field(default_factory=list)
+    #: the accuracy trial (None when none ran) and where the fidelity budget came from
+    accuracy: AccuracyTrialReport | None = None
+    budget_source: str = ""
+    fidelity_measure: str = "gradient"
     kind: str = RESULT_KIND
     version: int = RESULT_VERSION
     #: the installed CompressionHook (None when the advice is native fp32); not in the JSON
@@ -122,16 +127,38 @@ class AutotuneResult(VersionedDocument):
             f"Speed-up of the advice: measured {s.get('measured_vs_fp32', float('nan')):.2f}x vs fp32, "
             f"{s.get('measured_vs_16bit', float('nan')):.2f}x vs 16-bit; predicted "
             f"{s.get('predicted_vs_fp32', float('nan')):.2f}x / {s.get('predicted_vs_16bit', float('nan')):.2f}x. "
-            f"Fidelity error {self.fidelity_error:.3g} (budget {self.fidelity_budget:.3g}"
-            + (f", the error of {self.reference} everywhere)" if self.reference else ")")
+            f"Fidelity ({self.fidelity_measure}) error {self.fidelity_error:.3g}, budget {self.fidelity_budget:.3g}: "
+            + (self.budget_source or (f"the error of {self.reference} everywhere" if self.reference else "given"))
         )
+        if self.accuracy is not None:
+            render_accuracy(self.accuracy, console)
         console.print(
-            f"Cost: profile {self.seconds.get('profile', 0):.1f} s, search {self.seconds.get('search', 0):.1f} s "
+            f"Cost: profile {self.seconds.get('profile', 0):.1f} s, accuracy trial "
+            f"{self.seconds.get('accuracy', 0):.1f} s, search {self.seconds.get('search', 0):.1f} s "
             f"({self.policy}, {self.policy_evaluations} plans predicted), live measurement "
             f"{self.seconds.get('measure', 0):.1f} s; total {self.seconds.get('total', 0):.1f} s"
         )
         if self.buckets:
             render_buckets(self.buckets, console)
+
+
+def render_accuracy(report: AccuracyTrialReport, console) -> None:
+    """The accuracy trial: each arm's fidelity error, gap behind fp32 and verdict."""
+    from rich.table import Table
+
+    where = "held-out batches" if report.held_out else "the training batches (none held out)"
+    table = Table(title=f"Accuracy trial: {report.steps} steps from the current weights, {report.metric} on {where}")
+    for col, justify in (("plan", "left"), ("role", "left"), ("fidelity err", "right"),
+                         (f"final {report.metric}", "right"), ("gap vs fp32", "right"), ("verdict", "left")):
+        table.add_column(col, justify=justify)
+    for arm in report.arms:
+        table.add_row(arm.description, arm.kind,
+                      f"{arm.fidelity_error:.3g}" if arm.fidelity_error is not None else "-",
+                      f"{arm.values[-1]:.4g}", f"{arm.gap:+.2%}" if arm.gap is not None else "diverged",
+                      "pass" if arm.accepted else "REJECTED")
+    console.print(table)
+    console.print(f"Trial noise (two fp32 batch orders): {report.noise:.2%}; tolerance {report.tolerance:.2%}; "
+                  f"length: {report.length_reason}; {report.seconds:.1f} s")
 
 
 def save_measured_vs_predicted_png(result: "AutotuneResult", path) -> None:

@@ -6,10 +6,16 @@ A factory is a zero-argument callable returning a :class:`Workload`.  Every rank
 
 from __future__ import annotations
 
+import functools
+import glob
 import importlib
+import math
 import os
+import re
 import sys
-from collections.abc import Callable, Iterable
+import sysconfig
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,21 +23,70 @@ import torch
 import torch.nn as nn
 
 
+Evaluator = Callable[[nn.Module], Mapping[str, float]]
+
+#: metric names read as "higher is better" when a workload does not say (all others: lower)
+_HIGHER_IS_BETTER = re.compile(r"acc|f1|auc|bleu|score|precision|recall", re.IGNORECASE)
+
+
+def higher_is_better(metric: str) -> bool:
+    """Whether a larger value of ``metric`` is better (accuracy) or worse (loss, perplexity)."""
+    return bool(_HIGHER_IS_BETTER.search(metric))
+
+
 @dataclass
 class Workload:
-    """What the advisor needs to run training steps of a model."""
+    """What the advisor needs to run training steps of a model, and to judge them.
+
+    ``held_out``: batches training never sees; ``evaluate(model) -> {metric: value}``
+    judges a model on this rank (default: the mean ``loss_fn`` over ``held_out``, as
+    ``{"loss": ...}``).  ``metric`` names the value that decides, ``target`` the value a
+    run must reach (default: whatever the fp32 run reaches).
+    """
 
     model: nn.Module
     loss_fn: Callable[[nn.Module, Any], torch.Tensor]
     batches: Iterable[Any]
     make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None
     name: str = "workload"
+    held_out: Sequence[Any] | None = None
+    evaluate: Evaluator | None = None
+    metric: str = "loss"
+    target: float | None = None
 
-    def optimizer(self) -> torch.optim.Optimizer:
-        params = self.model.parameters()
+    def optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """The workload's optimizer over ``model``'s parameters (default: the workload's model)."""
+        params = (model if model is not None else self.model).parameters()
         if self.make_optimizer is None:
             return torch.optim.SGD(params, lr=0.01, momentum=0.9)
         return self.make_optimizer(params)
+
+    def evaluator(self) -> Evaluator | None:
+        """``evaluate``, or the held-out loss when only ``held_out`` is given; None when neither is."""
+        if self.evaluate is not None:
+            return self.evaluate
+        if self.held_out:
+            return held_out_loss(self.loss_fn, self.held_out)
+        return None
+
+
+def held_out_loss(loss_fn: Callable[[nn.Module, Any], torch.Tensor], batches: Sequence[Any]) -> Evaluator:
+    """An evaluator: the mean of ``loss_fn`` over ``batches``, without gradients, in eval mode."""
+    batches = list(batches)
+    if not batches:
+        raise ValueError("held-out loss needs at least one held-out batch")
+
+    def evaluate(model: nn.Module) -> dict[str, float]:
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                total = sum(float(loss_fn(model, b)) for b in batches)
+        finally:
+            model.train(was_training)
+        return {"loss": total / len(batches)}
+
+    return evaluate
 
 
 def load_factory(spec: str) -> Callable[[], Workload]:
@@ -145,8 +200,107 @@ def digits_data(seed: int = 0, test_fraction: float = 0.25):
     return x[idx_train], y[idx_train], x[idx_test], y[idx_test]
 
 
+def _digits_evaluator(x_test: torch.Tensor, y_test: torch.Tensor) -> Evaluator:
+    def evaluate(model: nn.Module) -> dict[str, float]:
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                logits = model(x_test)
+        finally:
+            model.train(was_training)
+        return {"loss": float(nn.functional.cross_entropy(logits, y_test)),
+                "accuracy": float((logits.argmax(1) == y_test).float().mean())}
+
+    return evaluate
+
+
 def digits() -> Workload:
-    """The digits CNN with batches of 32 real training images (for profiling and tuning)."""
-    x, y, _, _ = digits_data()
-    batches = [(x[i : i + 32], y[i : i + 32]) for i in range(0, 256, 32)]
-    return Workload(_DigitsNet(), _cross_entropy, batches, name="digits-cnn")
+    """The digits CNN on scikit-learn's 8x8 digits: batches of 32 real training images in a
+    fixed shuffled order, judged by loss and accuracy on the held-out test split."""
+    x, y, x_test, y_test = digits_data()
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    batches = [(x[order[i : i + 32]], y[order[i : i + 32]]) for i in range(0, len(y) - 31, 32)]
+    return Workload(_DigitsNet(), _cross_entropy, batches, name="digits-cnn",
+                    held_out=[(x_test, y_test)], evaluate=_digits_evaluator(x_test, y_test),
+                    make_optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9))
+
+
+# --- a language model on real text: the Python standard library's own sources ------------------
+#: every Python installation ships these files, so the task needs no download
+TEXT_VOCAB = 4096
+TEXT_CONTEXT = 64
+_TOKEN = re.compile(r"[A-Za-z_]+|\d+|\S")
+
+
+@functools.lru_cache(maxsize=2)
+def stdlib_text_corpus(files: int = 120, vocab: int = TEXT_VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, held-out) token ids from the first ``files`` top-level stdlib modules, by name.
+
+    Words, numbers and single symbols are tokens; the ``vocab - 1`` most frequent in the
+    training files get ids, every other token is 0 (unknown).  Every tenth file is held out,
+    so held-out text comes from modules training never reads.
+    """
+    paths = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[:files]
+    if len(paths) < 20:
+        raise RuntimeError(f"the standard library at {sysconfig.get_paths()['stdlib']} has only {len(paths)} "
+                           "top-level modules; the text task needs at least 20")
+    texts = []
+    for path in paths:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            texts.append(_TOKEN.findall(fh.read()))
+    train = [t for i, t in enumerate(texts) if i % 10 != 0]
+    held = [t for i, t in enumerate(texts) if i % 10 == 0]
+    counts = Counter(tok for text in train for tok in text)
+    ids = {tok: i + 1 for i, (tok, _) in enumerate(counts.most_common(vocab - 1))}
+
+    def encode(group):
+        return torch.tensor([ids.get(tok, 0) for text in group for tok in text], dtype=torch.long)
+
+    return encode(train), encode(held)
+
+
+def _windows(tokens: torch.Tensor, batch: int, context: int) -> list[torch.Tensor]:
+    """Non-overlapping (batch, context + 1) windows, in order."""
+    per = batch * (context + 1)
+    count = len(tokens) // per
+    return [tokens[i * per : (i + 1) * per].view(batch, context + 1) for i in range(count)]
+
+
+class _TextLM(nn.Module):
+    """A small pre-norm transformer language model; half its parameters are embedding and output."""
+
+    def __init__(self, vocab: int = TEXT_VOCAB, dim: int = 128, layers: int = 2, heads: int = 4,
+                 context: int = TEXT_CONTEXT) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.position = nn.Parameter(torch.randn(context, dim) / math.sqrt(dim))
+        block = nn.TransformerEncoderLayer(dim, heads, dim_feedforward=4 * dim, batch_first=True, dropout=0.0,
+                                           norm_first=True)
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+        mask = torch.triu(torch.full((context, context), float("-inf")), diagonal=1)
+        self.register_buffer("causal", mask, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        n = tokens.shape[1]
+        h = self.embed(tokens) + self.position[:n]
+        h = self.blocks(h, mask=self.causal[:n, :n], is_causal=True)
+        return self.head(self.norm(h))
+
+
+def text_lm() -> Workload:
+    """A ~1.5M-parameter transformer LM on the standard library's sources (real text), AdamW
+    (lr 2e-3), batches of 16 x 64 tokens, judged by held-out loss on modules it never trains on.
+
+    Windows are shuffled once (fixed seed) and batched: in corpus order every batch would
+    come from one module, and the order of modules, not the optimiser, would shape the curve.
+    """
+    train, held = stdlib_text_corpus()
+    windows = torch.stack(_windows(train, 1, TEXT_CONTEXT))[:, 0]
+    windows = windows[torch.randperm(len(windows), generator=torch.Generator().manual_seed(0))]
+    batches = list(windows[: len(windows) // 16 * 16].split(16))
+    held_out = _windows(held, 16, TEXT_CONTEXT)[:8]
+    return Workload(_TextLM(), _next_token_loss, batches, name="stdlib-text-lm", held_out=held_out,
+                    make_optimizer=lambda params: torch.optim.AdamW(params, lr=2e-3, weight_decay=0.01))

@@ -7,9 +7,10 @@ column indices, one per bucket (``choices``); many plans are a (plans x buckets)
 so policies evaluate thousands at once.
 
 The accuracy budget follows L-GreCo: a plan's error is the size-weighted mean of its
-buckets' errors, and it may not exceed the error of a known-safe uniform reference
-(by default PowerSGD rank 4 everywhere, the setting PowerSGD's authors found to keep
-accuracy), or an explicit number.
+buckets' errors, and it may not exceed an explicit number (``autotune`` earns it in a
+paired accuracy trial) or the error of a uniform reference the user trusts.  The error
+is the update error (through the user's optimizer) where the profile measured it, else
+the gradient error; ``fidelity_measure`` picks one.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from advisor.compressors.registry import parse
 from advisor.perfmodel import PerformanceModel, Scenario
 from advisor.perfmodel.model import CandidateCosts
 from advisor.runtime.plan import Plan
+from profilers.profile import FIDELITY_MEASURES
 
 #: configs that cost nothing in accuracy: the baselines a plan must beat
 UNCOMPRESSED = ("none",)
@@ -50,6 +52,7 @@ class TuningProblem:
     reference: str | None = None
     correction: object | None = None
     parameter_names: list[list[str]] = field(default_factory=list)
+    fidelity_measure: str = "gradient"
 
     # --- construction ---------------------------------------------------------------
     @classmethod
@@ -62,20 +65,24 @@ class TuningProblem:
         reference: str | None = DEFAULT_REFERENCE,
         scenario: Scenario | None = None,
         overlap: float = 1.0,
+        fidelity_measure: str | None = None,
     ) -> "TuningProblem":
         """Candidates default to the baselines plus every config the profile measured.
 
         Every candidate needs a kernel cost in the profile and, unless it is lossless
         (``none``), a fidelity entry for every bucket; the error names what is missing.
+        ``fidelity_measure``: ``"update"`` or ``"gradient"`` (default: update where measured).
         """
+        measure = _fidelity_measure(profile, fidelity_measure)
         model = PerformanceModel(profile, scenario, overlap=overlap)
         labels = _candidate_labels(profile, candidates)
         costs = model.candidate_costs(labels)
-        errors = _error_matrix(profile, model, costs.configs)
+        errors = _error_matrix(profile, model, costs.configs, measure)
         numel = np.array([b.numel for b in model.buckets], dtype=np.float64)
         weights = numel / numel.sum()
         names = [list(b.parameters) for b in model.buckets]
-        problem = cls(model, costs, errors, weights, budget=0.0, reference=None, parameter_names=names)
+        problem = cls(model, costs, errors, weights, budget=0.0, reference=None, parameter_names=names,
+                      fidelity_measure=measure)
         if budget is None:
             if reference is None:
                 raise ValueError("give an accuracy budget (budget=...) or a reference config (reference=...)")
@@ -184,11 +191,24 @@ def _candidate_labels(profile, candidates: Sequence[str] | None) -> list[str]:
     return labels
 
 
-def _error_matrix(profile, model: PerformanceModel, labels: Sequence[str]) -> np.ndarray:
+def _fidelity_measure(profile, requested: str | None) -> str:
+    available = profile.fidelity.measures if profile.fidelity is not None else ("gradient",)
+    if requested is None:
+        return available[-1]
+    if requested not in FIDELITY_MEASURES:
+        raise ValueError(f"fidelity_measure={requested!r}; allowed: {', '.join(FIDELITY_MEASURES)}")
+    if requested not in available:
+        raise ValueError(f"the profile has no {requested} errors (measured: {', '.join(available)}); profile "
+                         "with the training optimizer to measure update errors")
+    return requested
+
+
+def _error_matrix(profile, model: PerformanceModel, labels: Sequence[str], measure: str = "gradient") -> np.ndarray:
     errors = np.full((len(model.buckets), len(labels)), np.nan)
     by_key = {}
     if profile.fidelity is not None:
-        by_key = {(e.bucket, e.config): e.relative_error for e in profile.fidelity.entries}
+        by_key = {(e.bucket, e.config): e.update_error if measure == "update" else e.relative_error
+                  for e in profile.fidelity.entries}
     for j, label in enumerate(labels):
         lossless = label == "none"
         for i, bucket in enumerate(model.buckets):

@@ -98,7 +98,8 @@ def profile_cluster(
         local = profile_kernels(layouts, configs, world_size=environment.world_size, device=device)
         kern = _slowest_kernels(local, group)
     fid = (
-        profile_fidelity(ddp, loss_fn, batches, compute.buckets, configs, steps=fidelity_steps, group=group)
+        profile_fidelity(ddp, loss_fn, batches, compute.buckets, configs, steps=fidelity_steps, group=group,
+                         optimizer=optimizer)
         if fidelity
         else None
     )

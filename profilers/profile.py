@@ -182,20 +182,42 @@ class FidelityEntry:
     """How one config distorts one bucket's real gradients, with error feedback.
 
     ``relative_error = ||Σ applied - Σ true|| / ||Σ true||`` over the captured steps;
-    ``compression_gain`` is GraVAC's mean ``||C(g)|| / ||g||``.
+    ``compression_gain`` is GraVAC's mean ``||C(g)|| / ||g||``; ``update_error`` is the
+    same distance for the parameter *updates* the user's optimizer makes from the applied
+    and from the true gradients (None when no optimizer was profiled).
     """
 
     bucket: int
     config: str
     relative_error: float
     compression_gain: float
+    update_error: float | None = None
+
+    def __post_init__(self) -> None:
+        _finite(f"fidelity of {self.config} on bucket {self.bucket}: relative_error", self.relative_error)
+        if self.update_error is not None:
+            _finite(f"fidelity of {self.config} on bucket {self.bucket}: update_error", self.update_error)
+
+
+#: the fidelity measures a tuning problem can budget
+FIDELITY_MEASURES = ("gradient", "update")
 
 
 @dataclass
 class FidelityProfile:
+    """``optimizer``: the class of the optimizer the updates were replayed through, if any."""
+
     steps: int
     world_size: int
     entries: list[FidelityEntry]
+    optimizer: str | None = None
+
+    @property
+    def measures(self) -> tuple[str, ...]:
+        """The measures every entry has: ``gradient`` always, ``update`` when the optimizer was replayed."""
+        if self.entries and all(e.update_error is not None for e in self.entries):
+            return FIDELITY_MEASURES
+        return ("gradient",)
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 
 import torch
 
@@ -27,3 +28,44 @@ class StateGuard:
         if self.optimizer is not None:
             self.optimizer.load_state_dict(self._opt)
         self.module.zero_grad(set_to_none=True)
+
+
+def optimizer_over(optimizer: torch.optim.Optimizer, replacements: Mapping[int, torch.Tensor]) -> torch.optim.Optimizer:
+    """The same optimizer (type, groups' hyperparameters, per-parameter state) over other tensors.
+
+    ``replacements`` maps ``id(parameter)`` of the optimizer's parameters to the tensor that
+    takes its place; parameters not in it are left out (and so are groups left empty).
+    The state is a deep copy: stepping the result never touches ``optimizer``.
+    """
+    groups, state = [], {}
+    for group in optimizer.param_groups:
+        params = [replacements[id(p)] for p in group["params"] if id(p) in replacements]
+        if params:
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+        for p in group["params"]:
+            if id(p) in replacements and p in optimizer.state:
+                state[replacements[id(p)]] = optimizer.state[p]
+    try:
+        clone = type(optimizer)(groups)
+    except TypeError:  # an optimizer whose constructor needs more than its groups
+        clone = type(optimizer)(groups, **optimizer.defaults)
+    for param, value in state.items():
+        clone.state[param] = copy.deepcopy(value)
+    return clone
+
+
+def clone_optimizer(optimizer: torch.optim.Optimizer, source: torch.nn.Module,
+                    target: torch.nn.Module) -> torch.optim.Optimizer:
+    """The same optimizer over ``target``, a copy of ``source`` (same parameter names).
+
+    Raises ValueError naming the problem when the optimizer holds tensors that are not
+    ``source``'s parameters.
+    """
+    names = {id(p): n for n, p in source.named_parameters()}
+    for i, group in enumerate(optimizer.param_groups):
+        foreign = sum(id(p) not in names for p in group["params"])
+        if foreign:
+            raise ValueError(f"optimizer parameter group {i} holds {foreign} tensor(s) that are not parameters of the "
+                             "model; pass the optimizer built over this model's parameters")
+    targets = dict(target.named_parameters())
+    return optimizer_over(optimizer, {i: targets[n] for i, n in names.items()})

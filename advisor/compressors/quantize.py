@@ -70,7 +70,11 @@ def quantize_rows(rows: torch.Tensor, scale: torch.Tensor, bits: int, out: torch
     the bias of nearest rounding instead.
     """
     s = levels(bits)
-    inv = torch.where(scale > 0, s / scale, torch.zeros_like(scale)).unsqueeze(1)
+    # a chunk whose scale is below levels / FLT_MAX (an error-feedback residual left alone
+    # for a dozen steps: an embedding row no batch touches) would scale by inf, and 0·inf is
+    # NaN; its codes are 0 instead, and its residual keeps the value
+    inv = s / scale
+    inv = torch.where(torch.isfinite(inv) & (scale > 0), inv, torch.zeros_like(inv)).unsqueeze(1)
     torch.mul(rows, inv, out=out)
     if generator is None:
         # |rows| <= scale, so rounding to nearest stays within [-s, s]: no clamp needed

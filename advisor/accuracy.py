@@ -1,0 +1,307 @@
+"""The accuracy trial: train plans briefly from the user's weights, next to fp32, and judge them.
+
+Every arm is a *shadow*: a copy of the user's module (its current weights) in its own DDP
+wrapper, with a clone of the user's optimizer (its state too), so the user's model and
+optimizer are never stepped.  The fp32 reference arm (native DDP, no hook) and every plan's
+arm train on the same batches in the same order; a second fp32 arm trains on the same
+batches in another order, and the two fp32 arms' difference is the trial's own noise.
+Every ``eval_every`` steps each rank evaluates its arm on held-out batches (batches the
+trial does not train on), and one all-reduce averages the ranks' metrics; that one
+collective also carries each rank's failure flag, so an ``evaluate`` that raises ends the
+trial on every rank with the same error.
+
+The trial's length is chosen from its noise: the two fp32 arms run in chunks until the
+reference has improved ``signal_to_noise`` times the tolerance it judges with (see
+:mod:`policies.accuracy_gate`), up to ``max_steps`` or the time budget; every later arm
+trains for that many steps.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from policies import accuracy_gate as gate
+from profilers.training_state import clone_optimizer
+
+from .live import LossFn, shadow_ddp
+from .runtime import Plan, install
+from .schema import check_int
+from .workloads import Evaluator, held_out_loss
+from .workloads import higher_is_better as metric_higher_is_better
+
+
+@dataclass
+class ArmResult:
+    """One arm of the trial: its metric at every checkpoint (mean over ranks) and the verdict."""
+
+    label: str
+    kind: str
+    description: str
+    values: list[float]
+    seconds: float
+    accepted: bool
+    reason: str
+    gap: float | None = None
+    fidelity_error: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in gate.ARM_KINDS:
+            raise ValueError(f"arm kind {self.kind!r}; allowed: {gate.ARM_KINDS}")
+
+
+@dataclass
+class AccuracyTrialReport:
+    """What the trial measured: noise, length, every arm's curve and verdict, the earned budget."""
+
+    metric: str
+    higher_is_better: bool
+    checkpoints: list[int]
+    noise: float
+    tolerance: float
+    progress: float
+    held_out: bool
+    length_reason: str
+    seconds: float
+    arms: list[ArmResult] = field(default_factory=list)
+    budget: float | None = None
+    budget_reason: str = ""
+    fidelity_measure: str = "gradient"
+
+    @property
+    def informative(self) -> bool:
+        """Whether fp32 improved by more than the tolerance: otherwise no harm short of divergence shows."""
+        return self.progress > self.tolerance
+
+    @property
+    def steps(self) -> int:
+        return self.checkpoints[-1]
+
+    def arm(self, label: str) -> ArmResult:
+        for a in self.arms:
+            if a.label == label:
+                return a
+        raise KeyError(f"no arm {label!r} in the accuracy trial; arms: {[a.label for a in self.arms]}")
+
+    def rejected(self) -> list[ArmResult]:
+        return [a for a in self.arms if not a.accepted]
+
+
+class AccuracyTrial:
+    """Paired short trials of plans against fp32; every rank calls every method in the same order.
+
+    Call :meth:`start` once (it runs the two fp32 arms and fixes the trial's length), then
+    :meth:`trial` per plan, then :meth:`report`.  ``evaluate(model) -> {metric: value}``
+    judges a model on this rank (default: the held-out loss over ``held_out``; without
+    either, the last quarter of ``batches`` is held out when there are 8 or more, else
+    the trial evaluates on the batches it trains on and says so).  ``min_tolerance``
+    is the smallest relative gap ever counted as harm (the fp32 arms can agree exactly,
+    with one batch for example).  ``time_budget_s`` bounds the whole trial, with
+    ``arms_expected`` arms in all (the fp32 pair included).
+    """
+
+    def __init__(self, ddp: DistributedDataParallel, loss_fn: LossFn, batches: Sequence[Any],
+                 optimizer: torch.optim.Optimizer, *, evaluate: Evaluator | None = None,
+                 held_out: Sequence[Any] | None = None, metric: str = "loss",
+                 higher_is_better: bool | None = None, min_steps: int = 8, max_steps: int = 200,
+                 eval_every: int = 4, signal_to_noise: float = 8.0, min_tolerance: float = 0.002,
+                 time_budget_s: float = 30.0, arms_expected: int = 6, group=None,
+                 progress: Callable[[str], None] | None = None) -> None:
+        if not isinstance(ddp, DistributedDataParallel):
+            raise TypeError(f"the accuracy trial needs a DistributedDataParallel model, got {type(ddp).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"the accuracy trial needs the training optimizer, got {type(optimizer).__name__}")
+        for name, value, minimum in (("min_steps", min_steps, 1), ("max_steps", max_steps, 1),
+                                     ("eval_every", eval_every, 1), ("arms_expected", arms_expected, 2)):
+            check_int(name, value, minimum)
+        if max_steps < min_steps:
+            raise ValueError(f"max_steps={max_steps} < min_steps={min_steps}; allowed: max_steps >= min_steps")
+        for name, value in (("signal_to_noise", signal_to_noise), ("time_budget_s", time_budget_s)):
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{name}={value!r}; allowed: a number > 0")
+        if not 0 <= min_tolerance < 1:
+            raise ValueError(f"min_tolerance={min_tolerance!r}; allowed: 0 <= min_tolerance < 1")
+        if evaluate is not None and not callable(evaluate):
+            raise TypeError(f"evaluate={evaluate!r}; allowed: a callable evaluate(model) -> {{metric: value}}")
+        batches = list(batches)
+        if not batches:
+            raise ValueError("the accuracy trial needs at least one batch")
+        self.ddp, self.loss_fn, self.optimizer, self.group = ddp, loss_fn, optimizer, group
+        self.metric = metric
+        self.higher = higher_is_better if higher_is_better is not None else metric_higher_is_better(metric)
+        self.min_steps, self.max_steps, self.eval_every = min_steps, max_steps, eval_every
+        self.signal_to_noise, self.min_tolerance = float(signal_to_noise), float(min_tolerance)
+        self.time_budget_s, self.arms_expected = float(time_budget_s), arms_expected
+        self.say = progress or (lambda msg: None)
+        self._evaluate_arg, self._held_out_arg, self._batches = evaluate, held_out, batches
+        self._report: AccuracyTrialReport | None = None
+
+    # --- the fp32 pair ---------------------------------------------------------------
+    def start(self) -> AccuracyTrialReport:
+        """Run the fp32 reference and the other-order fp32 arm; fix noise, tolerance and length."""
+        t0 = time.perf_counter()
+        self.train, self.evaluate, held_out = self._split()
+        n = len(self.train)
+        self.order = list(range(n))
+        other = list(range(n))
+        random.Random(1).shuffle(other)
+        ref, noise_arm = self._arm(None)[:2], self._arm(None)[:2]
+        first = self._checkpoint([ref[0].module, noise_arm[0].module], initial=True)
+        self.initial = first[0]
+        curves = [[first[0]], [first[1]]]
+        checkpoints, step = [0], 0
+        while True:
+            for (model, opt), order in ((ref, self.order), (noise_arm, other)):
+                self._steps(model, opt, order, step, self.eval_every)
+            step += self.eval_every
+            values = self._checkpoint([ref[0].module, noise_arm[0].module])
+            curves[0].append(values[0])
+            curves[1].append(values[1])
+            checkpoints.append(step)
+            noise = gate.noise_band(checkpoints, curves[0], curves[1], self.higher)
+            learned = gate.progress(curves[0], self.higher)
+            per_arm_s = self._elapsed(t0) / 2
+            if not all(math.isfinite(v) for c in curves for v in c):
+                raise FloatingPointError(
+                    f"the fp32 arm's held-out {self.metric} became NaN/Inf within {step} steps of the accuracy "
+                    "trial; training diverges without compression too: check the learning rate and the batches")
+            if step >= self.min_steps and gate.long_enough(learned, noise, self.signal_to_noise,
+                                                           self.min_tolerance):
+                why = (f"fp32 improved {learned:.1%} in {step} steps, {self.signal_to_noise:g}x the "
+                       f"tolerance ({max(noise, self.min_tolerance):.2%})")
+                break
+            if step + self.eval_every > self.max_steps:
+                why = f"stopped at max_steps={self.max_steps} (fp32 improved {learned:.1%}; noise {noise:.2%})"
+                break
+            projected = per_arm_s * (step + self.eval_every) / step * self.arms_expected
+            if step >= self.min_steps and projected > self.time_budget_s:
+                why = (f"stopped after {step} steps at the trial's time budget ({self.time_budget_s:g} s for "
+                       f"{self.arms_expected} arms; fp32 improved {learned:.1%}, noise {noise:.2%}): "
+                       "a short trial sees only large harm")
+                break
+        if n == 1:
+            why += "; one training batch: both fp32 arms see the same batches, so the noise is not measured"
+        tolerance = max(noise, self.min_tolerance)
+        self._report = AccuracyTrialReport(
+            metric=self.metric, higher_is_better=self.higher, checkpoints=checkpoints, noise=noise,
+            tolerance=tolerance, progress=learned, held_out=held_out, length_reason=why, seconds=0.0)
+        seconds = self._elapsed(t0)
+        self._report.arms.append(ArmResult("fp32", gate.REFERENCE, "fp32 (native DDP)", curves[0], seconds / 2,
+                                           True, "the reference", 0.0, 0.0))
+        gap = gate.relative_gap(checkpoints, curves[1], curves[0], self.higher)
+        self._report.arms.append(ArmResult("fp32 (other order)", gate.NOISE, "fp32, batches in another order",
+                                           curves[1], seconds / 2, True, "the noise of the trial", gap, 0.0))
+        self._report.seconds = seconds
+        return self._report
+
+    # --- one plan -------------------------------------------------------------------
+    def trial(self, label: str, plan: Plan, kind: str = gate.CANDIDATE, description: str = "",
+              fidelity_error: float | None = None) -> ArmResult:
+        """Train ``plan`` for the trial's length from the same start and batches; judge it against fp32."""
+        report = self._require_started()
+        self.say(f"accuracy trial: {label} ({report.steps} steps)")
+        t0 = time.perf_counter()
+        model, opt, hook = self._arm(plan)
+        try:
+            curve = [self.initial]
+            for start in report.checkpoints[:-1]:
+                self._steps(model, opt, self.order, start, self.eval_every)
+                curve.append(self._checkpoint([model.module])[0])
+        finally:
+            if hook is not None:
+                hook.close()
+        reference = report.arm("fp32").values
+        gap = gate.relative_gap(report.checkpoints, curve, reference, self.higher)
+        verdict = gate.judge(description or label, gap, report.tolerance if report.informative else math.inf)
+        arm = ArmResult(label, kind, description or label, curve, self._elapsed(t0), verdict.accepted,
+                        verdict.reason, gap if math.isfinite(gap) else None, fidelity_error)
+        report.arms.append(arm)
+        report.seconds += arm.seconds
+        return arm
+
+    def report(self) -> AccuracyTrialReport:
+        return self._require_started()
+
+    # --- the pieces --------------------------------------------------------------------
+    def _require_started(self) -> AccuracyTrialReport:
+        if self._report is None:
+            raise RuntimeError("call AccuracyTrial.start() before trialling plans")
+        return self._report
+
+    def _split(self) -> tuple[list[Any], Evaluator, bool]:
+        batches = self._batches
+        if self._evaluate_arg is not None:
+            return batches, self._evaluate_arg, True
+        if self._held_out_arg:
+            return batches, held_out_loss(self.loss_fn, self._held_out_arg), True
+        if len(batches) >= 8:
+            cut = len(batches) - max(2, len(batches) // 4)
+            return batches[:cut], held_out_loss(self.loss_fn, batches[cut:]), True
+        return batches, held_out_loss(self.loss_fn, batches), False
+
+    def _arm(self, plan: Plan | None):
+        model = shadow_ddp(self.ddp)
+        opt = clone_optimizer(self.optimizer, self.ddp.module, model.module)
+        hook = install(model, plan, group=self.group) if plan is not None else None
+        return model, opt, hook
+
+    def _steps(self, model, opt, order: Sequence[int], start: int, count: int) -> None:
+        for i in range(start, start + count):
+            opt.zero_grad(set_to_none=True)
+            self.loss_fn(model, self.train[order[i % len(order)]]).backward()
+            opt.step()
+
+    def _elapsed(self, t0: float) -> float:
+        """Seconds since ``t0``, averaged over ranks (every rank must agree on when to stop)."""
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(t, group=self.group)
+            t /= dist.get_world_size(self.group)
+        return float(t)
+
+    def _checkpoint(self, models: Sequence[torch.nn.Module], initial: bool = False) -> list[float]:
+        """The decisive metric of each model, averaged over ranks; an evaluate that fails fails everywhere."""
+        world = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+        values, problem = [], None
+        for model in models:
+            try:
+                values.append(_decisive(self.evaluate(model), self.metric))
+            except Exception as exc:  # the user's evaluate may fail in any way; every rank must hear of it
+                problem = f"{type(exc).__name__}: {exc}"
+                values.append(math.nan)
+        if problem is None and initial and not all(math.isfinite(v) for v in values):
+            problem = f"it returned {self.metric}={values[0]} for the model's current weights"
+        flags = [0.0] * world
+        flags[rank] = 1.0 if problem is not None else 0.0
+        t = torch.tensor([0.0 if problem is not None else v for v in values] + flags, dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(t, group=self.group)
+        failed = [r for r in range(world) if t[len(values) + r] > 0]
+        if failed:
+            messages: list[Any] = [None] * world
+            if world > 1:
+                dist.all_gather_object(messages, problem, group=self.group)
+            else:
+                messages = [problem]
+            detail = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
+            raise ValueError(f"evaluate(model) failed during the accuracy trial ({detail}); it must return "
+                             f"finite numbers including {self.metric!r}. Nothing of the model or optimizer changed")
+        return [float(v) / world for v in t[: len(values)]]
+
+
+def _decisive(metrics: Any, metric: str) -> float:
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"evaluate returned {type(metrics).__name__}; it must return a dict {{metric: value}}")
+    if metric not in metrics:
+        raise KeyError(f"evaluate returned {sorted(metrics)}, without the metric {metric!r} the trial judges by")
+    return float(metrics[metric])
+

@@ -1,0 +1,112 @@
+"""Do no harm, for accuracy: a plan passes only if its held-out metric keeps up with fp32's.
+
+A short paired trial trains every arm from the same weights, optimizer state and batches
+(see :mod:`advisor.accuracy`).  Two fp32 arms that differ only in batch order measure the
+noise of the trial itself; a plan is rejected when its metric falls behind the first fp32
+arm by more than that noise.  All values are relative to the fp32 arm and signed so that
+positive means worse, whichever way the metric points.
+
+* ``relative_gap``: the mean of the signed relative differences over the *late window*
+  (the checkpoints in the second half of the trial, where early transients have settled).
+* ``noise_band``: twice the root mean square of the two fp32 arms' relative differences
+  over the same window (about a 95% band for a difference of two such runs).
+* ``progress``: how much the fp32 arm improved over the trial, relative to its start.  A
+  trial is long enough once its progress is ``signal_to_noise`` times its noise: a plan
+  that loses a visible share of the progress is then told apart from noise.
+* ``earned_budget``: the largest fidelity error among trialled plans that passed, where
+  every trialled plan with a smaller error passed too (accuracy is assumed to fall with
+  error, and the first failure caps the budget).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+#: ``ArmResult.kind`` values
+REFERENCE, NOISE, SIXTEEN_BIT, LADDER, CANDIDATE = "fp32", "fp32 (other order)", "16-bit", "ladder", "candidate"
+ARM_KINDS = (REFERENCE, NOISE, SIXTEEN_BIT, LADDER, CANDIDATE)
+
+
+def signed_relative(values: Sequence[float], reference: Sequence[float], higher_is_better: bool) -> list[float]:
+    """Per checkpoint, how much worse ``values`` is than ``reference``, relative to it (positive: worse)."""
+    if len(values) != len(reference):
+        raise ValueError(f"curves of different lengths: {len(values)} vs {len(reference)} checkpoints")
+    sign = -1.0 if higher_is_better else 1.0
+    return [sign * (v - r) / max(abs(r), 1e-12) for v, r in zip(values, reference)]
+
+
+def late_window(steps: Sequence[int]) -> list[int]:
+    """Indices of the checkpoints past half of the last one (at least the last two, or one)."""
+    if not steps:
+        raise ValueError("a trial curve needs at least one checkpoint")
+    half = steps[-1] / 2
+    late = [i for i, s in enumerate(steps) if s > half]
+    return late if len(late) >= 2 else list(range(max(0, len(steps) - 2), len(steps)))
+
+
+def relative_gap(steps: Sequence[int], values: Sequence[float], reference: Sequence[float],
+                 higher_is_better: bool) -> float:
+    """Mean signed relative difference over the late window; ``inf`` if any value there is not finite."""
+    late = late_window(steps)
+    picked = [values[i] for i in late]
+    if not all(math.isfinite(v) for v in picked):
+        return math.inf
+    diffs = signed_relative(picked, [reference[i] for i in late], higher_is_better)
+    return sum(diffs) / len(diffs)
+
+
+def noise_band(steps: Sequence[int], first: Sequence[float], second: Sequence[float],
+               higher_is_better: bool) -> float:
+    """Twice the RMS relative difference of two fp32 arms over the late window."""
+    late = late_window(steps)
+    diffs = signed_relative([second[i] for i in late], [first[i] for i in late], higher_is_better)
+    return 2.0 * math.sqrt(sum(d * d for d in diffs) / len(diffs))
+
+
+def progress(values: Sequence[float], higher_is_better: bool) -> float:
+    """Relative improvement of a curve from its first to its last checkpoint (positive: it learned)."""
+    if len(values) < 2:
+        return 0.0
+    return -signed_relative([values[-1]], [values[0]], higher_is_better)[0]
+
+
+def long_enough(progress_so_far: float, noise: float, signal_to_noise: float, floor: float) -> bool:
+    """Whether the fp32 arm has improved ``signal_to_noise`` times the tolerance it is judged with."""
+    return progress_so_far >= signal_to_noise * max(noise, floor)
+
+
+@dataclass
+class Verdict:
+    accepted: bool
+    gap: float
+    tolerance: float
+    reason: str
+
+
+def judge(label: str, gap: float, tolerance: float) -> Verdict:
+    """Accept a plan whose gap is finite and within the tolerance; say why either way."""
+    if not math.isfinite(gap):
+        return Verdict(False, gap, tolerance, f"{label}: the held-out metric became NaN/Inf (the plan diverges)")
+    if not math.isfinite(tolerance):
+        return Verdict(True, gap, tolerance, f"{label}: {gap:+.2%} against fp32; fp32 itself did not improve, "
+                                             "so the trial can only reject divergence")
+    if gap > tolerance:
+        return Verdict(False, gap, tolerance, f"{label}: {gap:+.2%} behind fp32, more than the trial's "
+                                              f"noise ({tolerance:.2%})")
+    return Verdict(True, gap, tolerance, f"{label}: {gap:+.2%} against fp32, within the trial's noise "
+                                         f"({tolerance:.2%})")
+
+
+def earned_budget(trialled: Sequence[tuple[float, bool]]) -> float | None:
+    """``trialled``: (fidelity error, accepted) of uniform plans; the largest error passed below every failure.
+
+    None when no plan was trialled or the least distorting one failed.
+    """
+    budget = None
+    for error, accepted in sorted(trialled):
+        if not accepted:
+            break
+        budget = error
+    return budget
