@@ -11,9 +11,11 @@ collective also carries each rank's failure flag, so an ``evaluate`` that raises
 trial on every rank with the same error.
 
 The trial's length is chosen from its noise: the two fp32 arms run in chunks until the
-reference has improved ``signal_to_noise`` times the tolerance it judges with (see
-:mod:`policies.accuracy_gate`), up to ``max_steps`` or the time budget; every later arm
-trains for that many steps.
+noise is estimated from at least ``noise_checkpoints`` paired checkpoints in the late
+window and the reference has improved ``signal_to_noise`` times the tolerance it judges
+with (see :mod:`policies.accuracy_gate`), up to ``max_steps`` or the time budget; every
+later arm trains for that many steps, unless it falls so far behind (``stop_behind`` times
+the tolerance, in the late window) that more steps cannot save it.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ class AccuracyTrial:
     Call :meth:`start` once (it runs the two fp32 arms and fixes the trial's length), then
     :meth:`trial` per plan, then :meth:`report`.  ``evaluate(model) -> {metric: value}``
     judges a model on this rank (default: the held-out loss over ``held_out``; without
-    either, the last quarter of ``batches`` is held out when there are 8 or more, else
+    either, the last quarter of ``batches`` (at most 8) is held out when there are 8 or more, else
     the trial evaluates on the batches it trains on and says so).  ``min_tolerance``
     is the smallest relative gap ever counted as harm (the fp32 arms can agree exactly,
     with one batch for example).  ``time_budget_s`` bounds the whole trial, with
@@ -112,19 +114,22 @@ class AccuracyTrial:
                  optimizer: torch.optim.Optimizer, *, evaluate: Evaluator | None = None,
                  held_out: Sequence[Any] | None = None, metric: str = "loss",
                  higher_is_better: bool | None = None, min_steps: int = 8, max_steps: int = 200,
-                 eval_every: int = 4, signal_to_noise: float = 8.0, min_tolerance: float = 0.002,
-                 time_budget_s: float = 30.0, arms_expected: int = 6, group=None,
+                 eval_every: int = 4, noise_checkpoints: int = 4, signal_to_noise: float = 8.0,
+                 min_tolerance: float = 0.002, stop_behind: float = 4.0, time_budget_s: float = 30.0,
+                 arms_expected: int = 6, group=None,
                  progress: Callable[[str], None] | None = None) -> None:
         if not isinstance(ddp, DistributedDataParallel):
             raise TypeError(f"the accuracy trial needs a DistributedDataParallel model, got {type(ddp).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"the accuracy trial needs the training optimizer, got {type(optimizer).__name__}")
         for name, value, minimum in (("min_steps", min_steps, 1), ("max_steps", max_steps, 1),
-                                     ("eval_every", eval_every, 1), ("arms_expected", arms_expected, 2)):
+                                     ("eval_every", eval_every, 1), ("arms_expected", arms_expected, 2),
+                                     ("noise_checkpoints", noise_checkpoints, 1)):
             check_int(name, value, minimum)
         if max_steps < min_steps:
             raise ValueError(f"max_steps={max_steps} < min_steps={min_steps}; allowed: max_steps >= min_steps")
-        for name, value in (("signal_to_noise", signal_to_noise), ("time_budget_s", time_budget_s)):
+        for name, value in (("signal_to_noise", signal_to_noise), ("time_budget_s", time_budget_s),
+                            ("stop_behind", stop_behind)):
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"{name}={value!r}; allowed: a number > 0")
         if not 0 <= min_tolerance < 1:
@@ -139,6 +144,7 @@ class AccuracyTrial:
         self.higher = higher_is_better if higher_is_better is not None else metric_higher_is_better(metric)
         self.min_steps, self.max_steps, self.eval_every = min_steps, max_steps, eval_every
         self.signal_to_noise, self.min_tolerance = float(signal_to_noise), float(min_tolerance)
+        self.noise_checkpoints, self.stop_behind = noise_checkpoints, float(stop_behind)
         self.time_budget_s, self.arms_expected = float(time_budget_s), arms_expected
         self.say = progress or (lambda msg: None)
         self._evaluate_arg, self._held_out_arg, self._batches = evaluate, held_out, batches
@@ -173,10 +179,17 @@ class AccuracyTrial:
                 raise FloatingPointError(
                     f"the fp32 arm's held-out {self.metric} became NaN/Inf within {step} steps of the accuracy "
                     "trial; training diverges without compression too: check the learning rate and the batches")
-            if step >= self.min_steps and gate.long_enough(learned, noise, self.signal_to_noise,
-                                                           self.min_tolerance):
+            enough_noise = len(gate.late_window(checkpoints)) >= self.noise_checkpoints
+            if step >= self.min_steps and enough_noise and gate.long_enough(learned, noise, self.signal_to_noise,
+                                                                            self.min_tolerance):
                 why = (f"fp32 improved {learned:.1%} in {step} steps, {self.signal_to_noise:g}x the "
-                       f"tolerance ({max(noise, self.min_tolerance):.2%})")
+                       f"tolerance ({max(noise, self.min_tolerance):.2%}, from {self.noise_checkpoints} "
+                       "late checkpoints)")
+                break
+            if step >= self.min_steps and enough_noise and learned <= max(noise, self.min_tolerance):
+                why = (f"stopped after {step} steps: fp32 did not improve the held-out {self.metric} by more than "
+                       f"the noise ({learned:+.2%} vs {max(noise, self.min_tolerance):.2%}), so the trial can only "
+                       "catch divergence")
                 break
             if step + self.eval_every > self.max_steps:
                 why = f"stopped at max_steps={self.max_steps} (fp32 improved {learned:.1%}; noise {noise:.2%})"
@@ -210,17 +223,29 @@ class AccuracyTrial:
         self.say(f"accuracy trial: {label} ({report.steps} steps)")
         t0 = time.perf_counter()
         model, opt, hook = self._arm(plan)
+        reference = report.arm("fp32").values
+        tolerance = report.tolerance if report.informative else math.inf
+        late = set(gate.late_window(report.checkpoints))
+        stopped, behind = "", math.nan
         try:
             curve = [self.initial]
-            for start in report.checkpoints[:-1]:
+            for i, start in enumerate(report.checkpoints[:-1]):
                 self._steps(model, opt, self.order, start, self.eval_every)
                 curve.append(self._checkpoint([model.module])[0])
+                if i + 1 in late and i + 2 < len(report.checkpoints):
+                    behind = gate.signed_relative(curve[-1:], reference[i + 1 : i + 2], self.higher)[0]
+                    if not math.isfinite(curve[-1]) or behind > self.stop_behind * tolerance:
+                        stopped = f" (stopped at step {report.checkpoints[i + 1]}: {behind:+.1%} behind)"
+                        break
         finally:
             if hook is not None:
                 hook.close()
-        reference = report.arm("fp32").values
-        gap = gate.relative_gap(report.checkpoints, curve, reference, self.higher)
-        verdict = gate.judge(description or label, gap, report.tolerance if report.informative else math.inf)
+        if stopped:  # judged by how far behind it was where it stopped
+            gap = behind if math.isfinite(curve[-1]) else math.inf
+        else:
+            gap = gate.relative_gap(report.checkpoints, curve, reference, self.higher)
+        verdict = gate.judge(description or label, gap, tolerance)
+        verdict.reason += stopped
         arm = ArmResult(label, kind, description or label, curve, self._elapsed(t0), verdict.accepted,
                         verdict.reason, gap if math.isfinite(gap) else None, fidelity_error)
         report.arms.append(arm)
@@ -242,8 +267,8 @@ class AccuracyTrial:
             return batches, self._evaluate_arg, True
         if self._held_out_arg:
             return batches, held_out_loss(self.loss_fn, self._held_out_arg), True
-        if len(batches) >= 8:
-            cut = len(batches) - max(2, len(batches) // 4)
+        if len(batches) >= 8:  # a quarter held out, at most 8 batches: each checkpoint evaluates them all
+            cut = len(batches) - min(8, max(2, len(batches) // 4))
             return batches[:cut], held_out_loss(self.loss_fn, batches[cut:]), True
         return batches, held_out_loss(self.loss_fn, batches), False
 
@@ -268,40 +293,67 @@ class AccuracyTrial:
         return float(t)
 
     def _checkpoint(self, models: Sequence[torch.nn.Module], initial: bool = False) -> list[float]:
-        """The decisive metric of each model, averaged over ranks; an evaluate that fails fails everywhere."""
-        world = dist.get_world_size(self.group) if dist.is_initialized() else 1
-        rank = dist.get_rank(self.group) if dist.is_initialized() else 0
-        values, problem = [], None
-        for model in models:
-            try:
-                values.append(_decisive(self.evaluate(model), self.metric))
-            except Exception as exc:  # the user's evaluate may fail in any way; every rank must hear of it
-                problem = f"{type(exc).__name__}: {exc}"
-                values.append(math.nan)
-        if problem is None and initial and not all(math.isfinite(v) for v in values):
-            problem = f"it returned {self.metric}={values[0]} for the model's current weights"
-        flags = [0.0] * world
-        flags[rank] = 1.0 if problem is not None else 0.0
-        t = torch.tensor([0.0 if problem is not None else v for v in values] + flags, dtype=torch.float64)
+        """The decisive metric of each model, averaged over ranks."""
+        found = evaluate_on_every_rank(self.evaluate, models, self.metric, self.group, require_finite=initial)
+        return [m[self.metric] for m in found]
+
+
+def evaluate_on_every_rank(evaluate: Evaluator, models: Sequence[torch.nn.Module], metric: str, group=None,
+                           require_finite: bool = False) -> list[dict[str, float]]:
+    """Each model's metrics, averaged over ranks; an ``evaluate`` that fails, fails on every rank.
+
+    Every rank calls it with its own held-out data.  One all-reduce carries every value and
+    a failure flag per rank; only when one is set are the ranks' messages gathered, so the
+    error names each failing rank and its exception.  ``require_finite``: a non-finite
+    value counts as a failure of ``evaluate`` (on weights known to be finite).
+    """
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    found: list[dict[str, float]] = []
+    problem = None
+    for model in models:
+        try:
+            found.append(_metrics(evaluate(model), metric))
+        except Exception as exc:  # the user's evaluate may fail in any way; every rank must hear of it
+            problem = f"{type(exc).__name__}: {exc}"
+            break
+    if problem is None and require_finite:
+        bad = [f"{k}={v}" for m in found for k, v in m.items() if not math.isfinite(v)]
+        if bad:
+            problem = f"it returned {', '.join(bad)} for the model's current weights"
+    keys = sorted(found[0]) if found and problem is None else []
+    width = len(models) * len(keys)
+    values = [m[k] for m in found for k in keys] if problem is None else []
+    # every rank sends the same length: its values (or zeros), its key count, a flag per rank
+    count = torch.tensor([float(width)], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    n = int(count)
+    flags = [0.0] * world
+    flags[rank] = 1.0 if problem is not None or len(values) != n else 0.0
+    if problem is None and len(values) != n:
+        problem = f"it returned {len(keys)} metrics ({', '.join(keys)}), unlike another rank's"
+    t = torch.tensor((values if len(values) == n else [0.0] * n) + flags, dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(t, group=group)
+    failed = [r for r in range(world) if t[n + r] > 0]
+    if failed:
+        messages: list[Any] = [problem]
         if world > 1:
-            dist.all_reduce(t, group=self.group)
-        failed = [r for r in range(world) if t[len(values) + r] > 0]
-        if failed:
-            messages: list[Any] = [None] * world
-            if world > 1:
-                dist.all_gather_object(messages, problem, group=self.group)
-            else:
-                messages = [problem]
-            detail = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
-            raise ValueError(f"evaluate(model) failed during the accuracy trial ({detail}); it must return "
-                             f"finite numbers including {self.metric!r}. Nothing of the model or optimizer changed")
-        return [float(v) / world for v in t[: len(values)]]
+            messages = [None] * world
+            dist.all_gather_object(messages, problem, group=group)
+        detail = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
+        raise ValueError(f"evaluate(model) failed ({detail}); it must return a dict of finite numbers including "
+                         f"{metric!r}. Nothing of the model or optimizer changed")
+    averaged = (t[:n] / world).tolist()
+    per = len(keys)
+    return [dict(zip(keys, averaged[i * per : (i + 1) * per])) for i in range(len(models))]
 
 
-def _decisive(metrics: Any, metric: str) -> float:
+def _metrics(metrics: Any, metric: str) -> dict[str, float]:
     if not isinstance(metrics, Mapping):
         raise TypeError(f"evaluate returned {type(metrics).__name__}; it must return a dict {{metric: value}}")
     if metric not in metrics:
-        raise KeyError(f"evaluate returned {sorted(metrics)}, without the metric {metric!r} the trial judges by")
-    return float(metrics[metric])
+        raise KeyError(f"evaluate returned {sorted(metrics)}, without the metric {metric!r} that decides")
+    return {str(k): float(v) for k, v in metrics.items()}
 

@@ -25,7 +25,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -98,7 +98,8 @@ def autotune(
     held_out: Sequence[Any] | None = None,
     metric: str = "loss",
     accuracy_trial: bool = True,
-    trial_s: float = 30.0,
+    trial_s: float = 40.0,
+    trial_options: Mapping[str, Any] | None = None,
     fidelity_measure: str | None = None,
     policy: str | Policy = "optuna",
     trials: int = 2000,
@@ -136,6 +137,8 @@ def autotune(
         accuracy_trial: trial every short-listed plan for accuracy (the gate); False trusts
             the budget alone.
         trial_s: the accuracy trial's time budget in seconds.
+        trial_options: more keyword arguments of :class:`advisor.accuracy.AccuracyTrial`
+            (``eval_every``, ``signal_to_noise``, ``min_tolerance``, ``max_steps``, ...).
         fidelity_measure: ``"update"`` or ``"gradient"`` (default: update where measured).
         top, rounds, steps, measure_s: how many of the best predicted plans are measured live,
             in how many interleaved rounds of up to how many steps (about ``measure_s`` a plan
@@ -201,6 +204,10 @@ def autotune(
         reference = DEFAULT_REFERENCE  # nothing to earn a budget with: say so in the result
     problem = TuningProblem.from_profile(profile, labels, budget=0.0 if earn and gated else budget,
                                          reference=reference, fidelity_measure=fidelity_measure)
+    if residual_model is not None:
+        if isinstance(residual_model, (str, os.PathLike)):
+            residual_model = MeasurementSet.load(residual_model).fit()
+        problem.correction = residual_model
     if earn and not gated:
         budget_source = (f"assumed: the error of {reference} everywhere (no accuracy trial: "
                          + ("accuracy_trial=False)" if optimizer is not None else "no optimizer given)"))
@@ -210,36 +217,25 @@ def autotune(
         budget_source = "given" if not earn else "earned"
     sixteen = _sixteen_bit(problem)
     trial = None
-    arms: dict[bytes, Any] = {}  # choices -> the trial's ArmResult
     if gated:
         lossy = sorted((c for c in problem.configs if c not in ("none", "fp16", "bf16")),
                        key=lambda c: float(problem.fidelity_error(problem.uniform(c))[0]))
         probes = math.ceil(math.log2(len(lossy) + 1)) if earn else 0
-        trial = AccuracyTrial(ddp_model, loss_fn, batches, optimizer, evaluate=evaluate, held_out=held_out,
-                              metric=metric, time_budget_s=trial_s, group=group, progress=say,
-                              arms_expected=2 + (sixteen is not None) + probes + top + 1)
-        say("accuracy trial: fp32 twice, in two batch orders")
-        trial.start()
-        if sixteen is not None:
-            choices = problem.uniform(sixteen)[0]
-            arms[choices.tobytes()] = trial.trial(sixteen, Plan.uniform(sixteen, warmup_steps=0), gate.SIXTEEN_BIT,
-                                                  f"{sixteen} everywhere", _error(problem, choices))
-        if earn and trial.report().informative:
-            problem.budget, budget_source = _earn_budget(problem, trial, lossy, arms, sixteen)
-        elif earn:
-            problem.budget = _reference_budget(problem, DEFAULT_REFERENCE)
-            budget_source = (f"assumed: the error of {DEFAULT_REFERENCE} everywhere; fp32 did not improve the "
-                             f"held-out {metric} in the trial ({trial.report().progress:+.2%}), so no budget could "
-                             "be earned (pass batches of real data, held out)")
-        trial.report().budget, trial.report().budget_reason = problem.budget, budget_source
-        trial.report().fidelity_measure = problem.fidelity_measure
+        trial = LazyTrial(AccuracyTrial(ddp_model, loss_fn, batches, optimizer, evaluate=evaluate,
+                                        held_out=held_out, metric=metric, time_budget_s=trial_s, group=group,
+                                        progress=say, arms_expected=3 + probes + 1, **dict(trial_options or {})),
+                          problem, say)
+        if earn:
+            pays, why_not = _compression_can_pay(problem, chosen_policy, sixteen, group)
+            if pays:
+                problem.budget, budget_source = _earn_budget(problem, trial, lossy, sixteen)
+            else:
+                problem.budget = _error(problem, problem.uniform(sixteen)[0]) if sixteen else 0.0
+                budget_source = (f"not earned: {why_not}, so no compressed plan was trialled; the budget is the "
+                                 f"error of {sixteen or 'fp32'} everywhere")
     t_trialled = time.perf_counter()
 
     # --- 3. search (rank 0) ---------------------------------------------------------
-    if residual_model is not None:
-        if isinstance(residual_model, (str, os.PathLike)):
-            residual_model = MeasurementSet.load(residual_model).fit()
-        problem.correction = residual_model
     found = None
     if _rank(group) == 0:
         say(f"searching plans ({chosen_policy.name})")
@@ -247,23 +243,17 @@ def autotune(
     found = _broadcast(found, group)
     t_searched = time.perf_counter()
 
-    # --- 4. short-list, gate for accuracy, measure live next to the baselines -----------
+    # --- 4. measure the short-list live next to the baselines ----------------------------
     plans: dict[str, Plan] = {}
     kinds: dict[str, str] = {"fp32": FP32}
     described: dict[str, str] = {"fp32": "fp32 (native DDP, no hook)"}
     predicted: dict[str, float] = {"fp32": float(problem.predict(problem.uniform("none"))[0])}
     choices_of: dict[str, np.ndarray] = {"fp32": problem.uniform("none")[0]}
-    rejected: list[str] = []
     if sixteen is not None:
-        choices = problem.uniform(sixteen)[0]
-        arm = arms.get(choices.tobytes())
-        if arm is None or arm.accepted:
-            plans[sixteen] = Plan.uniform(sixteen, warmup_steps=0)
-            kinds[sixteen], described[sixteen] = SIXTEEN_BIT, f"{sixteen} everywhere"
-            choices_of[sixteen] = choices
-            predicted[sixteen] = float(problem.predict(problem.uniform(sixteen))[0])
-        else:
-            rejected.append(arm.reason)
+        plans[sixteen] = Plan.uniform(sixteen, warmup_steps=0)
+        kinds[sixteen], described[sixteen] = SIXTEEN_BIT, f"{sixteen} everywhere"
+        choices_of[sixteen] = problem.uniform(sixteen)[0]
+        predicted[sixteen] = float(problem.predict(problem.uniform(sixteen))[0])
     seen = {v.tobytes() for v in choices_of.values()} | {problem.uniform(c)[0].tobytes() for c in ("fp16", "bf16")
                                                          if c in problem.configs}
     for choices in _short_list(problem, found, top):
@@ -271,39 +261,45 @@ def autotune(
             continue
         seen.add(choices.tobytes())
         label = f"candidate {sum(k == CANDIDATE for k in kinds.values()) + 1}"
-        description = problem.describe(choices)
-        if trial is not None:
-            arm = arms.get(choices.tobytes())
-            if arm is None:
-                arm = arms[choices.tobytes()] = trial.trial(label, problem.plan(choices, warmup_steps=0),
-                                                            gate.CANDIDATE, description, _error(problem, choices))
-            if not arm.accepted:
-                rejected.append(arm.reason)
-                continue
         choices_of[label] = choices
         plans[label] = problem.plan(choices, warmup_steps=0)
-        kinds[label], described[label] = CANDIDATE, description
+        kinds[label], described[label] = CANDIDATE, problem.describe(choices)
         predicted[label] = float(problem.predict(choices[None, :])[0])
-    t_gated = time.perf_counter()
     # a slow plan is measured with fewer steps: about measure_s of steps per plan and round
     # (at least one), so a slow baseline on a slow link does not dominate the tuning time
     plan_steps = {label: max(1, min(steps, math.ceil(measure_s / max(predicted[label], 1e-6))))
                   for label in ["fp32", *plans]}
     say(f"measuring {len(plans) + 1} plans live, {rounds} interleaved rounds")
+    t_measuring = time.perf_counter()
     rounds_s = measure_plans(ddp_model, loss_fn, batches, optimizer, plans, rounds=rounds, steps=plan_steps,
                              group=group, progress=say)
     measured = [LiveMeasurement(label, kinds[label], rounds_s[label], predicted[label], described[label])
                 for label in rounds_s]
     t_measured = time.perf_counter()
 
-    # --- 5. decide: rank 0 decides, the others verify --------------------------------------
-    mine = decide(measured, min_gain=min_gain)
-    decision = _broadcast(mine, group)
-    if decision.chosen != mine.chosen:
-        log.warning("rank %d would have chosen %s; following rank 0's decision (%s)", _rank(group),
-                    mine.chosen, decision.chosen)
+    # --- 5. decide: fastest beyond the noise, then proven for accuracy; rank 0 decides -------
+    # Only the plan do-no-harm would choose is trialled; a rejected one leaves the race and
+    # the choice falls to the next, down to fp32, which needs no trial.
+    rejected: list[str] = []
+    while True:
+        mine = decide(measured, min_gain=min_gain)
+        decision = _broadcast(mine, group)
+        if decision.chosen != mine.chosen:
+            log.warning("rank %d would have chosen %s; following rank 0's decision (%s)", _rank(group),
+                        mine.chosen, decision.chosen)
+        if trial is None or decision.kind == FP32:
+            break
+        arm = trial.judge(decision.chosen, plans[decision.chosen], choices_of[decision.chosen],
+                          gate.SIXTEEN_BIT if decision.kind == SIXTEEN_BIT else gate.CANDIDATE,
+                          described[decision.chosen])
+        if arm.accepted:
+            decision.reason += f"; accuracy: {arm.reason}"
+            break
+        rejected.append(arm.reason)
+        measured = [m for m in measured if m.label != decision.chosen]
     if rejected:
         decision.reason += "; rejected for accuracy: " + "; ".join(rejected)
+    t_decided = time.perf_counter()
 
     # --- 6. install ----------------------------------------------------------------------
     chosen_choices = choices_of[decision.chosen]
@@ -320,12 +316,12 @@ def autotune(
 
     result = _result(problem, found, decision, measured, predicted, described, final, chosen_choices,
                      profile, where, {"profile": t_profiled - t_start, "accuracy": (t_trialled - t_profiled)
-                                      + (t_gated - t_searched), "search": t_searched - t_trialled,
-                                      "measure": t_measured - t_gated,
+                                      + (t_decided - t_measured), "search": t_searched - t_trialled,
+                                      "measure": t_measured - t_measuring,
                                       "total": time.perf_counter() - t_start})
     result.searched_top = [problem.describe(c) for c in found.top(top)]
     result.measurements = _measurements(problem, choices_of, described, rounds_s, result.where)
-    result.accuracy = trial.report() if trial is not None else None
+    result.accuracy = trial.report(problem.budget, budget_source) if trial is not None else None
     result.budget_source = budget_source
     result.fidelity_measure = problem.fidelity_measure
     if measurements_path is not None and _rank(group) == 0:
@@ -356,7 +352,63 @@ def _error(problem, choices) -> float:
     return float(problem.fidelity_error(np.asarray(choices)[None, :])[0])
 
 
-def _earn_budget(problem, trial, lossy: Sequence[str], arms: dict, sixteen: str | None) -> tuple[float, str]:
+class LazyTrial:
+    """The accuracy trial, started on first use; remembers every plan's verdict by its choices.
+
+    Autotune's fp32 pair costs steps on the cluster; when nothing needs proving (no
+    compressed plan can pay and fp32 stays the fastest) it never runs.
+    """
+
+    def __init__(self, trial: AccuracyTrial, problem, say: Callable[[str], None]) -> None:
+        self.trial, self.problem, self.say = trial, problem, say
+        self.arms: dict[bytes, Any] = {}
+        self.started = False
+
+    def judge(self, label: str, plan: Plan, choices, kind: str, description: str):
+        key = np.asarray(choices).tobytes()
+        if key not in self.arms:
+            if not self.started:
+                self.say("accuracy trial: fp32 twice, in two batch orders")
+                self.trial.start()
+                self.started = True
+            self.arms[key] = self.trial.trial(label, plan, kind, description, _error(self.problem, choices))
+        return self.arms[key]
+
+    def report(self, budget: float, budget_source: str):
+        if not self.started:
+            return None
+        report = self.trial.report()
+        report.budget, report.budget_reason = budget, budget_source
+        report.fidelity_measure = self.problem.fidelity_measure
+        return report
+
+
+def _compression_can_pay(problem, policy: Policy, sixteen: str | None, group) -> tuple[bool, str]:
+    """Whether any plan, at any error, is predicted faster than the best baseline by more than 3%.
+
+    Where none is, no budget can change the advice and earning one would waste the trial.
+    """
+    best_baseline = min(float(problem.predict(problem.uniform(c))[0]) for c in ["none", *([sixteen] if sixteen else [])])
+    budget, problem.budget = problem.budget, math.inf
+    try:
+        fastest = None
+        if _rank(group) == 0:
+            found = policy.search(problem)
+            fastest = float(problem.predict(found.choices[None, :])[0])
+        fastest = _broadcast(fastest, group)
+    finally:
+        problem.budget = budget
+    if fastest < best_baseline * (1 - _PAYING_GAIN):
+        return True, ""
+    return False, (f"no plan at any error is predicted faster than the best baseline by more than "
+                   f"{_PAYING_GAIN:.0%} here ({fastest * 1e3:.1f} vs {best_baseline * 1e3:.1f} ms/step)")
+
+
+#: the predicted gain below which compression is not worth proving (the model's median error is a few %)
+_PAYING_GAIN = 0.03
+
+
+def _earn_budget(problem, trial: LazyTrial, lossy: Sequence[str], sixteen: str | None) -> tuple[float, str]:
     """Bisect the uniform lossy plans (sorted by error) for the largest error that keeps up with fp32.
 
     Accuracy is taken to fall as the error grows, so ceil(log2(n + 1)) trials find it.
@@ -364,21 +416,18 @@ def _earn_budget(problem, trial, lossy: Sequence[str], arms: dict, sixteen: str 
     low, high = -1, len(lossy)  # every plan up to ``low`` passed; the first failure is at or below ``high``
     while high - low > 1:
         mid = (low + high) // 2
-        choices = problem.uniform(lossy[mid])[0]
-        arm = trial.trial(lossy[mid], Plan.uniform(lossy[mid], warmup_steps=0), gate.LADDER,
-                          f"{lossy[mid]} everywhere", _error(problem, choices))
-        arms[choices.tobytes()] = arm
+        arm = trial.judge(lossy[mid], Plan.uniform(lossy[mid], warmup_steps=0), problem.uniform(lossy[mid])[0],
+                          gate.LADDER, f"{lossy[mid]} everywhere")
         low, high = (mid, high) if arm.accepted else (low, mid)
-    trialled = [(a.fidelity_error, a.accepted) for a in arms.values() if a.fidelity_error is not None]
+    trialled = [(a.fidelity_error, a.accepted) for a in trial.arms.values() if a.fidelity_error is not None]
     earned = gate.earned_budget(trialled)
-    steps = trial.report().steps
+    steps = trial.trial.report().steps
     if earned is not None and low >= 0:
         return earned, (f"earned: the {problem.fidelity_measure} error of {lossy[low]} everywhere, the most "
                         f"distorting uniform plan that kept up with fp32 in a {steps}-step trial")
-    if earned is not None:
-        return earned, (f"earned: only {sixteen} kept up with fp32 in a {steps}-step trial; every uniform "
-                        "compressed plan trialled fell behind")
-    return 0.0, f"earned: no compressed or 16-bit plan kept up with fp32 in a {steps}-step trial"
+    floor = _error(problem, problem.uniform(sixteen)[0]) if sixteen else 0.0
+    return floor, (f"earned: every uniform compressed plan trialled fell behind fp32 in a {steps}-step trial, so "
+                   f"the budget is the error of {sixteen or 'fp32'} everywhere")
 
 
 def _short_list(problem, found, top: int) -> list[np.ndarray]:
@@ -426,6 +475,7 @@ def _autotune_rank(rank: int, world_size: int, spec: str, kwargs: dict):
 
     workload = build_workload(spec)
     ddp = DistributedDataParallel(workload.model)
+    kwargs = {"evaluate": workload.evaluator(), "metric": workload.metric, **kwargs}
     result = autotune(ddp, workload.loss_fn, workload.batches, workload.optimizer(), **kwargs)
     if result.hook is not None:
         result.hook.close()

@@ -1,92 +1,132 @@
-"""Accuracy, end to end: train the fp32 baseline and a plan from the same seed, compare.
+"""Time to accuracy, end to end: train fp32, 16-bit and a plan from the same start; compare.
 
-On scikit-learn's digits data set (it ships with scikit-learn), every rank trains on its
-shard of the training split with DDP; after each epoch rank 0 evaluates the full test
-split.  Baseline (native DDP fp32) and plan run in the same job, from the same initial
-weights and the same batch order, one after the other.  The report holds loss and
-accuracy curves against epochs and wall time, final accuracies, and the time each run
-took to reach the target accuracy (by default the baseline's final accuracy minus one
-point).
+On the user's own workload (``package.module:factory``), on local ranks or an emulated
+cluster of a given link rate (so each arm's time per step is the real one on that link),
+every arm trains from the same initial weights on the same batches in the same order
+(each rank its own shard: batch ``rank``, ``rank + world``, ...): native DDP fp32, a 16-bit
+cast, and the plan (given, or found by ``autotune`` in the same job first).  Every
+``eval_every`` steps each rank evaluates the workload's held-out metrics; the ranks' values
+are averaged.  Time is training time only (evaluation is not counted), the slowest rank's.
+The report holds every arm's curves against steps and wall time, the time each arm needs
+to reach the target (default: the fp32 arm's final value), and the time-to-accuracy
+speed-ups of the plan over fp32 and over 16-bit: the speed-up that counts (Han et al.
+2024), not the one per step.
 """
 
 from __future__ import annotations
 
+import copy
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .accuracy import evaluate_on_every_rank
 from .runtime import Plan, install
 from .runtime.plan import as_plan
 from .schema import VersionedDocument, check_int
-from .workloads import _DigitsNet, digits_data
+from .workloads import build_workload, higher_is_better, load_factory
 
 VALIDATION_KIND = "compression-advisor/validation"
+#: arm kinds
+FP32, SIXTEEN_BIT, PLAN = "fp32", "16-bit", "plan"
+SIXTEEN_BIT_CASTS = ("fp16", "bf16")
 
 
 @dataclass
-class Curve:
-    """Per epoch: mean training loss, test accuracy, wall seconds since the start."""
+class ValidationCurve:
+    """One arm: its metrics at each checkpoint (mean over ranks) and the training time to get there."""
 
     label: str
-    loss: list[float] = field(default_factory=list)
-    accuracy: list[float] = field(default_factory=list)
-    seconds: list[float] = field(default_factory=list)
+    kind: str
+    description: str
+    steps: list[int]
+    seconds: list[float]
+    metrics: dict[str, list[float]]
+    step_s: float
 
-    def time_to(self, target: float) -> float | None:
-        for acc, s in zip(self.accuracy, self.seconds):
-            if acc >= target:
+    def time_to(self, metric: str, target: float, higher: bool) -> float | None:
+        """Training seconds until ``metric`` first reaches ``target`` (None: never in this run)."""
+        for value, s in zip(self.metrics[metric], self.seconds):
+            if (value >= target) if higher else (value <= target):
                 return s
         return None
+
+    def final(self, metric: str) -> float:
+        return self.metrics[metric][-1]
 
 
 @dataclass
 class ValidationReport(VersionedDocument):
+    """Curves, time to target and speed-ups to the same accuracy, for every arm."""
+
     what = "validation report"
     KIND = VALIDATION_KIND
-    VERSION = 1
+    VERSION = 2
 
+    model: str
+    where: str
+    world_size: int
+    steps: int
+    metric: str
+    higher_is_better: bool
+    target: float
+    target_source: str
     plan: dict[str, Any]
     description: str
-    world_size: int
-    epochs: int
-    baseline: Curve
-    compressed: Curve
-    target_accuracy: float
-    baseline_time_to_target_s: float | None
-    compressed_time_to_target_s: float | None
+    arms: list[ValidationCurve]
+    time_to_target_s: dict[str, float | None]
+    speedup: dict[str, float | None]
+    advice: str = ""
     kind: str = VALIDATION_KIND
-    version: int = 1
+    version: int = 2
 
-    @property
-    def accuracy_gap(self) -> float:
-        """Baseline final accuracy minus the plan's, in points (positive: the plan lost)."""
-        return 100 * (self.baseline.accuracy[-1] - self.compressed.accuracy[-1])
+    def arm(self, kind: str) -> ValidationCurve:
+        for a in self.arms:
+            if a.kind == kind:
+                return a
+        raise KeyError(f"no {kind} arm; arms: {[a.kind for a in self.arms]}")
+
+    def gap(self, kind: str = PLAN) -> float:
+        """How much worse the arm's final metric is than fp32's, relative (positive: worse)."""
+        plan, fp32 = self.arm(kind).final(self.metric), self.arm(FP32).final(self.metric)
+        sign = -1.0 if self.higher_is_better else 1.0
+        return sign * (plan - fp32) / max(abs(fp32), 1e-12)
 
     def render(self, console=None) -> None:
         from rich.console import Console
         from rich.table import Table
 
         console = console or Console()
-        table = Table(title=f"Digits, {self.world_size} ranks, {self.epochs} epochs: {self.description}")
-        for col in ("epoch", "fp32 loss", "fp32 acc", "plan loss", "plan acc"):
-            table.add_column(col, justify="right")
-        for e in range(self.epochs):
-            table.add_row(str(e + 1), f"{self.baseline.loss[e]:.4f}", f"{self.baseline.accuracy[e]:.1%}",
-                          f"{self.compressed.loss[e]:.4f}", f"{self.compressed.accuracy[e]:.1%}")
+        console.print(f"[bold]Time to accuracy: {self.model}, {self.world_size} ranks, {self.where}[/bold]")
+        if self.advice:
+            console.print(f"Plan: {self.description} ({self.advice})")
+        table = Table(title=f"{self.steps} steps from the same start and batches; held-out {self.metric}")
+        for col in ("arm", f"final {self.metric}", "vs fp32", "ms/step", "time to target", "TTA speed-up"):
+            table.add_column(col, justify="left" if col == "arm" else "right")
+        fp32_tta = self.time_to_target_s.get(FP32)
+        for a in self.arms:
+            tta = self.time_to_target_s.get(a.label)
+            sign = -1.0 if self.higher_is_better else 1.0
+            fp32 = self.arm(FP32).final(self.metric)
+            table.add_row(
+                a.description, f"{a.final(self.metric):.4g}",
+                f"{sign * (a.final(self.metric) - fp32) / max(abs(fp32), 1e-12):+.2%}", f"{a.step_s * 1e3:.1f}",
+                f"{tta:.1f} s" if tta is not None else "never",
+                f"{fp32_tta / tta:.2f}x" if tta and fp32_tta else "-")
         console.print(table)
+        s = self.speedup
 
-        def fmt(s):
-            return f"{s:.1f} s" if s is not None else "not reached"
+        def fmt(x):
+            return f"{x:.2f}x" if x is not None else "n/a (a target not reached)"
 
-        console.print(f"Final test accuracy: fp32 {self.baseline.accuracy[-1]:.1%}, plan "
-                      f"{self.compressed.accuracy[-1]:.1%} (gap {self.accuracy_gap:+.1f} points). Time to "
-                      f"{self.target_accuracy:.1%}: fp32 {fmt(self.baseline_time_to_target_s)}, plan "
-                      f"{fmt(self.compressed_time_to_target_s)}")
+        console.print(f"Target: {self.metric} {'>=' if self.higher_is_better else '<='} {self.target:.4g} "
+                      f"({self.target_source}). Time-to-accuracy speed-up of the plan: {fmt(s.get('vs_fp32'))} "
+                      f"vs fp32, {fmt(s.get('vs_16bit'))} vs 16-bit.")
 
     def save_png(self, path) -> None:
         import matplotlib
@@ -94,133 +134,164 @@ class ValidationReport(VersionedDocument):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-        for curve, style in ((self.baseline, "-"), (self.compressed, "--")):
-            epochs = range(1, len(curve.loss) + 1)
-            axes[0].plot(epochs, curve.loss, style, label=curve.label)
-            axes[1].plot(epochs, [100 * a for a in curve.accuracy], style, label=curve.label)
-            axes[2].plot(curve.seconds, [100 * a for a in curve.accuracy], style, label=curve.label)
-        axes[0].set(xlabel="epoch", ylabel="training loss", yscale="log")
-        axes[1].set(xlabel="epoch", ylabel="test accuracy (%)")
-        axes[2].set(xlabel="wall time (s)", ylabel="test accuracy (%)")
-        axes[2].axhline(100 * self.target_accuracy, color="grey", lw=0.8, ls=":")
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for a, style in zip(self.arms, ("-", "--", "-.", ":")):
+            axes[0].plot(a.steps, a.metrics[self.metric], style, label=a.description)
+            axes[1].plot(a.seconds, a.metrics[self.metric], style, label=a.description)
+        axes[0].set(xlabel="step", ylabel=f"held-out {self.metric}")
+        axes[1].set(xlabel="training time (s)", ylabel=f"held-out {self.metric}")
         for ax in axes:
-            ax.legend()
-        fig.suptitle(f"fp32 vs {self.description}")
+            ax.axhline(self.target, color="grey", lw=0.8, ls=":")
+            ax.legend(fontsize=8)
+        fig.suptitle(f"{self.model}: time to accuracy ({self.where})")
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
 
 
-def _train(plan: Plan | None, epochs: int, batch: int, lr: float, seed: int, label: str) -> Curve:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    x, y, x_test, y_test = digits_data(seed)
-    torch.manual_seed(seed)
-    model = _DigitsNet()
-    ddp = DistributedDataParallel(model)
-    hook = install(ddp, plan) if plan is not None else None
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    order = torch.Generator().manual_seed(seed)
-    curve = Curve(label)
-    start = time.perf_counter()
+def _train_arm(workload, initial: dict, plan: Plan | None, batches: list, steps: int, eval_every: int,
+               evaluate, metric: str, label: str, kind: str, description: str, group=None) -> ValidationCurve:
+    model = copy.deepcopy(workload.model)
+    model.load_state_dict(initial)
+    ddp = DistributedDataParallel(model, process_group=group)
+    hook = install(ddp, plan, group=group) if plan is not None else None
+    opt = workload.optimizer(model)
+    checkpoints, seconds, curve, times = [0], [0.0], [], []
+    curve.append(evaluate_on_every_rank(evaluate, [model], metric, group, require_finite=True)[0])
+    trained = 0.0
     try:
-        for _ in range(epochs):
-            perm = torch.randperm(len(y), generator=order)  # same on every rank: shard it
-            shard = perm[rank::world]
-            steps = len(shard) // batch
-            total = torch.zeros(2, dtype=torch.float64)
-            model.train()
-            for s in range(steps):
-                idx = shard[s * batch : (s + 1) * batch]
-                opt.zero_grad(set_to_none=True)
-                loss = nn.functional.cross_entropy(ddp(x[idx]), y[idx])
-                loss.backward()
-                opt.step()
-                total += torch.tensor([float(loss.detach()), 1.0], dtype=torch.float64)
-            dist.all_reduce(total)
-            model.eval()
-            with torch.no_grad():
-                accuracy = float((model(x_test).argmax(1) == y_test).float().mean())
-            curve.loss.append(float(total[0] / total[1]))
-            curve.accuracy.append(accuracy)
-            curve.seconds.append(time.perf_counter() - start)
+        for step in range(1, steps + 1):
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            workload.loss_fn(ddp, batches[(step - 1) % len(batches)]).backward()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+            if step % eval_every == 0 or step == steps:
+                mine = torch.tensor([trained + sum(times)], dtype=torch.float64)
+                trained += sum(times)
+                times.clear()
+                if dist.get_world_size(group) > 1:
+                    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
+                checkpoints.append(step)
+                seconds.append(float(mine))
+                curve.append(evaluate_on_every_rank(evaluate, [model], metric, group)[0])
     finally:
         if hook is not None:
             hook.close()
-    return curve
+    metrics = {k: [c.get(k, float("nan")) for c in curve] for k in curve[0]}
+    step_s = statistics.median([(b - a) / (sb - sa) for a, b, sa, sb in
+                                zip(seconds, seconds[1:], checkpoints, checkpoints[1:])])
+    return ValidationCurve(label, kind, description, checkpoints, seconds, metrics, step_s)
 
 
-def _validate_rank(rank: int, world: int, plan_dict: dict, epochs: int, batch: int, lr: float, seed: int):
+def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, steps: int, eval_every: int,
+                   sixteen: str, autotune_kwargs: dict, where: str):
+    workload = build_workload(spec)
+    evaluate = workload.evaluator()
+    if evaluate is None:
+        raise ValueError(f"workload {spec!r} has neither evaluate nor held_out batches: give it one, so "
+                         "accuracy can be measured on data training does not see")
+    initial = copy.deepcopy(workload.model.state_dict())
+    batches = list(workload.batches)
+    mine = batches[rank::world] if len(batches) >= world else batches
+    advice = ""
+    if plan_dict is None:
+        from .autotuning import autotune
+
+        tuned = copy.deepcopy(workload.model)
+        ddp = DistributedDataParallel(tuned)
+        result = autotune(ddp, workload.loss_fn, batches, workload.optimizer(tuned), evaluate=evaluate,
+                          metric=workload.metric, install_plan=False, where=where, **autotune_kwargs)
+        plan_dict = result.plan
+        advice = f"autotune's advice: {result.reason}"
+        del ddp, tuned
     plan = Plan.from_dict(plan_dict)
-    baseline = _train(None, epochs, batch, lr, seed, "fp32 (DDP)")
-    compressed = _train(plan, epochs, batch, lr, seed, "plan")
-    return baseline, compressed
+    description = plan.metadata.get("description") or _describe(plan)
+    native = plan.metadata.get("native") or _describe(plan) == "none everywhere"
+    arms = [_train_arm(workload, initial, None, mine, steps, eval_every, evaluate, workload.metric,
+                       FP32, FP32, "fp32 (native DDP)")]
+    arms.append(_train_arm(workload, initial, Plan.uniform(sixteen, warmup_steps=0), mine, steps, eval_every,
+                           evaluate, workload.metric, sixteen, SIXTEEN_BIT, f"{sixteen} everywhere"))
+    if native:
+        arms.append(ValidationCurve(**{**arms[0].__dict__, "label": "plan", "kind": PLAN,
+                                       "description": "the plan: fp32 (native DDP, no hook)"}))
+    elif _describe(plan) == f"{sixteen} everywhere":
+        arms.append(ValidationCurve(**{**arms[1].__dict__, "label": "plan", "kind": PLAN,
+                                       "description": f"the plan: {sixteen} everywhere"}))
+    else:
+        arms.append(_train_arm(workload, initial, plan, mine, steps, eval_every, evaluate, workload.metric,
+                               "plan", PLAN, f"the plan: {description}"))
+    return {"arms": arms, "plan": plan.to_dict(), "description": description, "advice": advice,
+            "metric": workload.metric, "target": workload.target, "where": where}
 
 
-def validate_accuracy(
-    plan,
-    *,
-    world_size: int = 2,
-    epochs: int = 12,
-    batch: int = 32,
-    lr: float = 0.05,
-    seed: int = 0,
-    target_accuracy: float | None = None,
-    description: str | None = None,
-    timeout: float = 600.0,
-) -> ValidationReport:
-    """Train fp32 and ``plan`` (a Plan, its dict or a path) on digits; compare the curves.
+def _describe(plan: Plan) -> str:
+    configs = {plan.default.label} | {g.config.label for g in plan.groups}
+    return f"{plan.default.label} everywhere" if len(configs) == 1 else "a per-bucket plan"
 
-    The plan must name parameters of the digits network
-    (:func:`advisor.workloads.digits`): tune it on that workload.
+
+def validate_workload(spec: str, plan=None, *, nproc: int = 2, rate: str | None = None, steps: int = 300,
+                      eval_every: int | None = None, sixteen: str = "fp16", target: float | None = None,
+                      autotune_kwargs: dict | None = None, timeout: float = 3000.0) -> ValidationReport:
+    """Train fp32, ``sixteen`` and ``plan`` on ``nproc`` ranks for ``steps`` steps; compare time to accuracy.
+
+    Args:
+        spec: the workload factory, ``package.module:function``; it needs ``evaluate`` or
+            ``held_out`` batches.
+        plan: a Plan, its dict or a JSON path; None: autotune in the same job first.
+        rate: an emulated link rate (``"1gbit"``, root and iproute2), or None for loopback.
+        eval_every: steps between evaluations (default: ``steps // 20``, at least 1).
+        sixteen: the 16-bit cast trained as the strong baseline (``fp16`` or ``bf16``).
+        target: the metric every arm is timed to (default: the fp32 arm's final value).
+
+    Raises:
+        ValueError: a bad argument, a plan for another model, or a workload without a
+            way to evaluate, before any training; an ``evaluate`` that fails, on every rank.
     """
-    from .launch import launch_local
+    from .emulated import parse_rate, run_ranks
 
-    plan = as_plan(plan)
-    plan.check_against(name for name, _ in _DigitsNet().named_parameters())
-    for name, value in (("world_size", world_size), ("epochs", epochs), ("batch", batch)):
+    load_factory(spec)
+    for name, value in (("nproc", nproc), ("steps", steps)):
         check_int(name, value)
-    if not lr > 0:
-        raise ValueError(f"lr={lr!r}; allowed: > 0")
-    baseline, compressed = launch_local(
-        _validate_rank, world_size, (plan.to_dict(), epochs, batch, lr, seed), timeout=timeout
-    )[0]
-    target = target_accuracy if target_accuracy is not None else baseline.accuracy[-1] - 0.01
-    compressed.label = description or plan.metadata.get("description") or "plan"
+    eval_every = eval_every if eval_every is not None else max(1, steps // 20)
+    check_int("eval_every", eval_every)
+    if sixteen not in SIXTEEN_BIT_CASTS:
+        raise ValueError(f"sixteen={sixteen!r}; allowed: {', '.join(SIXTEEN_BIT_CASTS)}")
+    if rate is not None:
+        parse_rate(rate)
+    plan_dict = None
+    if plan is not None:
+        plan = as_plan(plan)
+        workload = build_workload(spec)
+        plan.check_against(n for n, p in workload.model.named_parameters() if p.requires_grad)
+        plan_dict = plan.to_dict()
+    kwargs = dict(autotune_kwargs or {})
+
+    def args(where: str):
+        return (spec, plan_dict, steps, eval_every, sixteen, kwargs, where)
+
+    out = run_ranks(_validate_rank, nproc, args, rate=rate, timeout=timeout)[0]
+    arms: list[ValidationCurve] = out["arms"]
+    metric = out["metric"]
+    higher = higher_is_better(metric)
+    fp32 = next(a for a in arms if a.kind == FP32)
+    if target is not None:
+        goal, source = float(target), "given"
+    elif out["target"] is not None:
+        goal, source = float(out["target"]), "the workload's target"
+    else:
+        goal, source = fp32.final(metric), f"the fp32 arm's final value after {steps} steps"
+    tta = {a.label: a.time_to(metric, goal, higher) for a in arms}
+    plan_tta = tta["plan"]
+    sixteen_label = next(a.label for a in arms if a.kind == SIXTEEN_BIT)
+    speedup = {"vs_fp32": _ratio(tta[FP32], plan_tta), "vs_16bit": _ratio(tta[sixteen_label], plan_tta)}
     return ValidationReport(
-        plan=plan.to_dict(),
-        description=compressed.label,
-        world_size=world_size,
-        epochs=epochs,
-        baseline=baseline,
-        compressed=compressed,
-        target_accuracy=target,
-        baseline_time_to_target_s=baseline.time_to(target),
-        compressed_time_to_target_s=compressed.time_to(target),
-    )
+        model=spec, where=out["where"], world_size=nproc, steps=steps, metric=metric, higher_is_better=higher,
+        target=goal, target_source=source, plan=out["plan"], description=out["description"], arms=arms,
+        time_to_target_s=tta, speedup=speedup, advice=out["advice"])
 
 
-def tuned_digits_plan(bandwidth: str = "100mbit", trials: int = 500, world_size: int = 2,
-                      warmup_steps: int = 10) -> Plan:
-    """Profile the digits network on local ranks and tune a plan for links of ``bandwidth``.
-
-    The profile (compute, kernels, fidelity on the real gradients) is measured here; the
-    network is what-if: on loopback every plan would lose to fp32, so the plan is tuned for
-    the slow cluster where compression pays, under the default fidelity budget.
-    """
-    from policies.optuna_search import OptunaPolicy
-    from policies.problem import TuningProblem
-    from profilers.cluster import profile_model
-
-    from .autotuning import DEFAULT_CANDIDATES
-    from .emulated import parse_rate
-    from .perfmodel import Scenario
-
-    configs = [c for c in DEFAULT_CANDIDATES if c != "none"]
-    profile = profile_model("advisor.workloads:digits", world_size, configs=configs)
-    problem = TuningProblem.from_profile(profile, DEFAULT_CANDIDATES,
-                                         scenario=Scenario(bandwidth_bps=parse_rate(bandwidth)))
-    found = OptunaPolicy(n_trials=trials).search(problem)
-    return problem.plan(found.choices, warmup_steps=warmup_steps,
-                        metadata={"advisor": "tune", "description": problem.describe(found.choices),
-                                  "bandwidth": bandwidth})
+def _ratio(base: float | None, plan: float | None) -> float | None:
+    if base is None or plan is None or plan <= 0:
+        return None
+    return base / plan

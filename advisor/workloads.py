@@ -301,6 +301,6 @@ def text_lm() -> Workload:
     windows = torch.stack(_windows(train, 1, TEXT_CONTEXT))[:, 0]
     windows = windows[torch.randperm(len(windows), generator=torch.Generator().manual_seed(0))]
     batches = list(windows[: len(windows) // 16 * 16].split(16))
-    held_out = _windows(held, 16, TEXT_CONTEXT)[:8]
+    held_out = _windows(held, 16, TEXT_CONTEXT)[:4]
     return Workload(_TextLM(), _next_token_loss, batches, name="stdlib-text-lm", held_out=held_out,
                     make_optimizer=lambda params: torch.optim.AdamW(params, lr=2e-3, weight_decay=0.01))

@@ -1,0 +1,87 @@
+"""Programs the accuracy tests run on every rank (module level, so spawn can import them)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from advisor.accuracy import AccuracyTrial
+from advisor.runtime import Plan
+from advisor.workloads import build_workload
+
+DIGITS = "advisor.workloads:digits"
+
+
+def _state(model, opt):
+    return ({k: v.clone() for k, v in model.state_dict().items()},
+            {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for p, s in opt.state.items()})
+
+
+def _same(a, b) -> bool:
+    (ma, oa), (mb, ob) = a, b
+    if ma.keys() != mb.keys() or oa.keys() != ob.keys():
+        return False
+    if not all(torch.equal(ma[k], mb[k]) for k in ma):
+        return False
+    return all(torch.equal(v, ob[p][k]) if torch.is_tensor(v) else v == ob[p][k]
+               for p, s in oa.items() for k, v in s.items())
+
+
+def _digits_with_history(steps: int = 3):
+    """The digits workload, its DDP and an optimizer that has already stepped (momentum state to copy)."""
+    workload = build_workload(DIGITS)
+    ddp = DDP(workload.model)
+    opt = workload.optimizer()
+    for batch in workload.batches[:steps]:
+        opt.zero_grad()
+        workload.loss_fn(ddp, batch).backward()
+        opt.step()
+    return workload, ddp, opt
+
+
+def trial_plans(rank: int, world: int, plans: dict, options: dict):
+    """Trial each plan against fp32 on digits; report, and whether the user's model and optimizer kept their state."""
+    workload, ddp, opt = _digits_with_history()
+    before = _state(ddp.module, opt)
+    trial = AccuracyTrial(ddp, workload.loss_fn, workload.batches, opt, evaluate=workload.evaluator(), **options)
+    trial.start()
+    for label, config in plans.items():
+        trial.trial(label, Plan.uniform(config, warmup_steps=0))
+    return {"report": trial.report(), "unchanged": _same(before, _state(ddp.module, opt))}
+
+
+def failing_evaluate(rank: int, world: int, how: str):
+    """An evaluate that raises (on rank 1 only) or returns NaN (on every rank); the error and the state after."""
+    workload, ddp, opt = _digits_with_history()
+    before = _state(ddp.module, opt)
+    real = workload.evaluator()
+
+    def evaluate(model):
+        if how == "raises" and rank == 1:
+            raise RuntimeError("held-out loader is gone")
+        if how == "nan":
+            return {"loss": math.nan}
+        if how == "no-loss":
+            return {"accuracy": real(model)["accuracy"]}
+        return real(model)
+
+    trial = AccuracyTrial(ddp, workload.loss_fn, workload.batches, opt, evaluate=evaluate)
+    try:
+        trial.start()
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    return {"error": error, "unchanged": _same(before, _state(ddp.module, opt))}
+
+
+def autotune_digits(rank: int, world: int, kwargs: dict):
+    """autotune on digits with its held-out evaluation; the result, and the state of the user's model after."""
+    import advisor
+
+    workload, ddp, opt = _digits_with_history()
+    before = _state(ddp.module, opt)
+    result = advisor.autotune(ddp, workload.loss_fn, workload.batches, opt, evaluate=workload.evaluator(),
+                              install_plan=False, **kwargs)
+    return {"result": result, "unchanged": _same(before, _state(ddp.module, opt))}
