@@ -226,7 +226,7 @@ def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, ste
 
 
 def _describe(plan: Plan) -> str:
-    configs = {plan.default.label} | {g.config.label for g in plan.groups}
+    configs = {plan.default.label} | {g.compressor.label for g in plan.groups}
     return f"{plan.default.label} everywhere" if len(configs) == 1 else "a per-bucket plan"
 
 

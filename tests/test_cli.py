@@ -217,17 +217,21 @@ def test_report_of_a_plan_needs_a_profile_of_the_same_model(runner, tmp_path):
 
 
 @pytest.mark.slow
-def test_validate_trains_fp32_and_a_plan_on_digits(runner, tmp_path):
+def test_validate_trains_fp32_16bit_and_a_plan_on_digits(runner, tmp_path):
     from advisor.runtime import Plan
 
     plan = tmp_path / "plan.json"
     Plan.uniform("powersgd(rank=4)", warmup_steps=5).save(plan)
-    result = runner.invoke(main, ["validate", "--plan", str(plan), "--epochs", "3", "--json",
+    result = runner.invoke(main, ["validate", "--plan", str(plan), "--steps", "30", "--eval-every", "10", "--json",
                                   "--png", str(tmp_path / "c.png")])
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
-    assert len(data["baseline"]["accuracy"]) == 3 and len(data["compressed"]["accuracy"]) == 3
+    assert [a["kind"] for a in data["arms"]] == ["fp32", "16-bit", "plan"]
+    assert all(a["steps"] == [0, 10, 20, 30] for a in data["arms"])
+    assert set(data["time_to_target_s"]) == {"fp32", "fp16", "plan"}
     assert (tmp_path / "c.png").exists()
+    shown = runner.invoke(main, ["validate", "--plan", str(plan), "--steps", "10", "--eval-every", "5"])
+    assert shown.exit_code == 0 and "Time-to-accuracy speed-up" in shown.output
 
 
 def test_validate_refuses_a_plan_for_another_model(runner, tmp_path):

@@ -1,0 +1,110 @@
+"""The accuracy gate: paired trials reject plans that fall behind fp32 and accept harmless ones."""
+
+import math
+
+import pytest
+import torch
+
+from accuracy_programs import autotune_digits, failing_evaluate, trial_plans
+from advisor.launch import launch_local
+from policies import accuracy_gate as gate
+
+
+# --- the rule, on numbers -----------------------------------------------------------------
+def test_gaps_are_signed_so_that_positive_is_worse_for_loss_and_accuracy():
+    steps = [0, 4, 8, 12, 16]
+    loss_ref, loss_plan = [2.0, 1.5, 1.2, 1.0, 0.9], [2.0, 1.6, 1.3, 1.1, 0.99]
+    assert gate.relative_gap(steps, loss_plan, loss_ref, higher_is_better=False) == pytest.approx(0.1)
+    acc_ref, acc_plan = [0.1, 0.5, 0.7, 0.8, 0.9], [0.1, 0.5, 0.7, 0.72, 0.81]
+    assert gate.relative_gap(steps, acc_plan, acc_ref, higher_is_better=True) == pytest.approx(0.1)
+    assert gate.relative_gap(steps, [2.0, 1.5, 1.2, math.nan, 0.9], loss_ref, False) == math.inf
+
+
+def test_the_noise_band_is_twice_the_rms_difference_of_the_fp32_arms_in_the_late_window():
+    steps = [0, 4, 8, 12, 16]
+    first = [2.0, 1.5, 1.2, 1.0, 1.0]
+    second = [2.0, 1.0, 1.0, 1.01, 0.99]  # the early difference (step 4) is outside the window
+    assert gate.late_window(steps) == [3, 4]
+    assert gate.noise_band(steps, first, second, False) == pytest.approx(0.02)
+
+
+def test_a_plan_is_rejected_beyond_the_tolerance_and_when_it_diverges():
+    assert gate.judge("p", 0.004, 0.005).accepted
+    assert not gate.judge("p", 0.006, 0.005).accepted
+    assert not gate.judge("p", math.inf, 0.005).accepted
+    assert "NaN" in gate.judge("p", math.inf, 0.005).reason
+    # when fp32 itself did not learn, only divergence is rejected
+    assert gate.judge("p", 0.5, math.inf).accepted and not gate.judge("p", math.inf, math.inf).accepted
+
+
+def test_the_earned_budget_stops_at_the_first_failure_in_error_order():
+    assert gate.earned_budget([(0.1, True), (0.3, True), (0.2, True)]) == 0.3
+    assert gate.earned_budget([(0.1, True), (0.2, False), (0.3, True)]) == 0.1
+    assert gate.earned_budget([(0.1, False)]) is None and gate.earned_budget([]) is None
+
+
+# --- the trial, on real ranks ------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_harmful_config_is_rejected_and_a_harmless_one_accepted_with_the_users_state_untouched():
+    plans = {"fp16": "fp16", "top-k 0.1% without error feedback": "topk(ratio=0.001, no-ef)"}
+    out = launch_local(trial_plans, 2, (plans, {"time_budget_s": 60.0}), timeout=300)
+    reports = [o["report"] for o in out]
+    assert reports[0] == reports[1], "every rank holds the same numbers and verdicts"
+    report = reports[0]
+    assert all(o["unchanged"] for o in out), "the trial must not step the user's model or optimizer"
+    assert report.informative and report.held_out and report.progress > report.tolerance
+    assert report.arm("fp16").accepted, report.arm("fp16").reason
+    harmful = report.arm("top-k 0.1% without error feedback")
+    assert not harmful.accepted and (harmful.gap is None or harmful.gap > report.tolerance), harmful.reason
+    # the trial's length came from its noise: enough late checkpoints for the noise estimate
+    assert len(gate.late_window(report.checkpoints)) >= 4 or "time budget" in report.length_reason
+    assert [a.kind for a in report.arms[:2]] == [gate.REFERENCE, gate.NOISE]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how, message", [
+    ("raises", r"rank 1: RuntimeError: held-out loader is gone"),
+    ("nan", r"loss=nan"),
+    ("no-loss", r"without the metric 'loss'"),
+])
+def test_an_evaluate_that_fails_ends_the_trial_on_every_rank_with_nothing_changed(how, message):
+    out = launch_local(failing_evaluate, 2, (how,), timeout=200)
+    for o in out:
+        assert o["error"] is not None and "evaluate(model) failed" in o["error"]
+        assert pytest.importorskip("re").search(message, o["error"]), o["error"]
+        assert o["unchanged"]
+
+
+def test_bad_trial_arguments_name_the_value_and_the_allowed_ones():
+    from torch.nn.parallel import DistributedDataParallel
+
+    from advisor.accuracy import AccuracyTrial
+
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        AccuracyTrial(torch.nn.Linear(2, 2), lambda m, b: m(b).sum(), [torch.ones(2)],
+                      torch.optim.SGD(torch.nn.Linear(2, 2).parameters()))
+    fake = DistributedDataParallel.__new__(DistributedDataParallel)
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    for kwargs, message in (({"eval_every": 0}, "eval_every=0"), ({"min_steps": 9, "max_steps": 8}, "max_steps=8"),
+                            ({"min_tolerance": 1.5}, "min_tolerance=1.5"), ({"evaluate": 3}, "evaluate=3")):
+        with pytest.raises((ValueError, TypeError), match=message):
+            AccuracyTrial(fake, lambda m, b: m(b).sum(), [torch.ones(2)], opt, **kwargs)
+
+
+# --- autotune with the gate ------------------------------------------------------------------------
+@pytest.mark.slow
+def test_autotune_gates_what_it_would_choose_and_reports_the_trial():
+    out = launch_local(autotune_digits, 2, ({"trials": 200, "top": 2, "rounds": 2, "steps": 3,
+                                             "warmup_steps": 0, "trial_s": 30.0},), timeout=400)
+    r = out[0]["result"]
+    assert all(o["unchanged"] for o in out)
+    assert out[0]["result"].recommendation == out[1]["result"].recommendation
+    assert r.fidelity_measure == "update"
+    assert r.budget_source.startswith(("earned", "not earned"))
+    if r.recommendation != "fp32":
+        # whatever it advises (16-bit or compressed) was trialled and kept up with fp32
+        assert r.accuracy is not None and "accuracy:" in r.reason
+        chosen = [a for a in r.accuracy.arms if a.kind in (gate.SIXTEEN_BIT, gate.CANDIDATE)][-1]
+        assert chosen.accepted
+    again = type(r).from_json(r.to_json())
+    assert again.accuracy == r.accuracy and again.budget_source == r.budget_source
