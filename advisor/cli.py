@@ -154,14 +154,22 @@ BASELINES = ("none", "fp16", "bf16")
 @click.option("--bandwidth", default=None, help="Per-link rate, e.g. 10Gbit; default: as profiled.")
 @click.option("--latency", default=None, help="Per-hop latency, e.g. 50us; default: as profiled.")
 @click.option("--speedup", type=float, default=1.0, show_default=True, help="Device this many times faster.")
+@click.option("--budget", type=float, default=None, help="Largest size-weighted fidelity error allowed.")
+@click.option("--reference", default=None, help="A config you trust; its error everywhere is the budget.")
+@click.option("--result", "result_path", default=None,
+              help="An autotune result JSON: use the budget its accuracy trial earned.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def whatif_cmd(profile_path, world_size, bandwidth, latency, speedup, as_json) -> None:
-    """Would compression help on another cluster, and which compressor?"""
+def whatif_cmd(profile_path, world_size, bandwidth, latency, speedup, budget, reference, result_path,
+               as_json) -> None:
+    """Would compression help on another cluster, and which compressor, within the accuracy budget?"""
+    import dataclasses
+
     from profilers.profile import ClusterProfile
 
     from .emulated import parse_rate
-    from .perfmodel import PerformanceModel, Scenario
-    from .runtime import Plan
+    from .perfmodel import Scenario
+    from .report import AutotuneResult
+    from .whatif import what_if
 
     try:
         profile = ClusterProfile.load(profile_path)
@@ -171,41 +179,36 @@ def whatif_cmd(profile_path, world_size, bandwidth, latency, speedup, as_json) -
             latency_s=parse_duration(latency) if latency is not None else None,
             compute_speedup=speedup,
         )
-        model = PerformanceModel(profile, scenario)
-        candidates = ["none"] + sorted(profile.kernels.costs if profile.kernels else [])
-        rows = {c: model.predict(Plan.uniform(c, warmup_steps=0)) for c in dict.fromkeys(candidates)}
+        accuracy = AutotuneResult.load(result_path).accuracy if result_path else None
+        found = what_if(profile, scenario, budget=budget, reference=reference, accuracy=accuracy)
     except ValueError as exc:
         fail(str(exc))
-    baseline = min((c for c in rows if c in BASELINES), key=lambda c: rows[c].iteration_s)
-    best = min(rows, key=lambda c: rows[c].iteration_s)
-    base_s, best_s = rows[baseline].iteration_s, rows[best].iteration_s
-    helps = best not in BASELINES and best_s < base_s
-    verdict = (
-        f"compress with {best}: predicted {base_s / best_s:.2f}x faster than {baseline}"
-        if helps else f"do not compress: {baseline} is the fastest predicted plan"
-    )
     if as_json:
         click.echo(json.dumps({
-            "scenario": {"world_size": model.world, "bandwidth_bps": scenario.bandwidth_bps,
+            "scenario": {"world_size": found.world_size, "bandwidth_bps": scenario.bandwidth_bps,
                          "latency_s": scenario.latency_s, "compute_speedup": speedup},
-            "predicted_s": {c: t.iteration_s for c, t in rows.items()},
-            "compute_only_s": model.compute_only_s, "best": best, "best_baseline": baseline,
-            "compress": helps, "verdict": verdict,
+            "predicted_s": {r.config: r.predicted_s for r in found.rows},
+            **{k: v for k, v in dataclasses.asdict(found).items() if k != "rows"},
+            "rows": [dataclasses.asdict(r) for r in found.rows],
         }, indent=2))
         return
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"Predicted iteration at {model.world} workers (compute-only floor "
-                        f"{model.compute_only_s * 1e3:.1f} ms)")
-    table.add_column("plan (every bucket)")
-    table.add_column("ms/iteration", justify="right")
-    table.add_column(f"vs {baseline}", justify="right")
-    for c, t in sorted(rows.items(), key=lambda kv: kv[1].iteration_s):
-        table.add_row(c, f"{t.iteration_s * 1e3:.1f}", f"{base_s / t.iteration_s:.2f}x")
+    base_s = next(r.predicted_s for r in found.rows if r.config == found.best_baseline)
+    table = Table(title=f"Predicted iteration at {found.world_size} workers (compute-only floor "
+                        f"{found.compute_only_s * 1e3:.1f} ms)")
+    for col, justify in (("plan (every bucket)", "left"), ("ms/iteration", "right"),
+                         (f"vs {found.best_baseline}", "right"), (f"{found.fidelity_measure} error", "right"),
+                         ("within budget", "left")):
+        table.add_column(col, justify=justify)
+    for r in found.rows:
+        table.add_row(r.config, f"{r.predicted_s * 1e3:.1f}", f"{base_s / r.predicted_s:.2f}x",
+                      f"{r.fidelity_error:.3g}", "yes" if r.within_budget else "no")
     console = Console()
     console.print(table)
-    console.print(verdict)
+    console.print(f"Budget {found.budget:.3g}: {found.budget_source}")
+    console.print(found.verdict)
 
 
 @main.command("demo")
@@ -234,7 +237,9 @@ def demo_cmd(steps: int, rounds: int, as_json: bool) -> None:
 @click.argument("profile_path", metavar="PROFILE")
 @click.option("--candidates", default=None, help="Comma-separated configs to choose from (default: all profiled).")
 @click.option("--budget", type=float, default=None, help="Largest size-weighted fidelity error (default: the reference's).")
-@click.option("--reference", default="powersgd(rank=4)", show_default=True, help="Known-safe config setting the budget.")
+@click.option("--reference", default=None, help="A config you trust; its error everywhere is the budget.")
+@click.option("--result", "result_path", default=None,
+              help="An autotune result JSON: use the budget its accuracy trial earned.")
 @click.option("--policy", type=click.Choice(["optuna", "greedy"]), default="optuna", show_default=True)
 @click.option("--trials", default=2000, show_default=True, help="Optuna trials.")
 @click.option("--storage", default=None, help="Optuna storage URL (sqlite:///study.db) to resume a study.")
@@ -243,8 +248,8 @@ def demo_cmd(steps: int, rounds: int, as_json: bool) -> None:
 @click.option("--warmup-steps", default=10, show_default=True, help="Uncompressed steps at the start.")
 @click.option("--out", "out_path", default="plan.json", show_default=True, help="Where to write the plan.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def tune_cmd(profile_path, candidates, budget, reference, policy, trials, storage, world_size, bandwidth,
-             warmup_steps, out_path, as_json) -> None:
+def tune_cmd(profile_path, candidates, budget, reference, result_path, policy, trials, storage, world_size,
+             bandwidth, warmup_steps, out_path, as_json) -> None:
     """Choose a plan from a saved profile (predicted; autotune also proves it live)."""
     from policies.greedy import GreedyPolicy
     from policies.optuna_search import OptunaPolicy
@@ -258,8 +263,13 @@ def tune_cmd(profile_path, candidates, budget, reference, policy, trials, storag
         profile = ClusterProfile.load(profile_path)
         scenario = Scenario(world_size=world_size,
                             bandwidth_bps=parse_rate(bandwidth) if bandwidth is not None else None)
+        from .report import AutotuneResult
+        from .whatif import budget_evidence
+
+        accuracy = AutotuneResult.load(result_path).accuracy if result_path else None
+        evidence, budget_source, _ = budget_evidence(budget, reference, accuracy)
         problem = TuningProblem.from_profile(profile, split_configs(candidates) if candidates else None,
-                                             budget=budget, reference=reference, scenario=scenario)
+                                             scenario=scenario, **evidence)
         chosen = (OptunaPolicy(n_trials=trials, storage=storage, study_name="advisor-tune" if storage else None)
                   if policy == "optuna" else GreedyPolicy())
         if warmup_steps < 0:
@@ -277,6 +287,8 @@ def tune_cmd(profile_path, candidates, budget, reference, policy, trials, storag
 
     rows = bucket_rows(problem, found.choices)
     summary = tuning_summary(problem, found, rows)
+    summary["budget_source"] = budget_source
+    summary["checked"] = False
     plan = problem.plan(found.choices, warmup_steps=warmup_steps,
                         metadata={"advisor": "tune", "description": summary["description"],
                                   "profile": str(profile_path)})
@@ -288,7 +300,9 @@ def tune_cmd(profile_path, candidates, budget, reference, policy, trials, storag
 
     console = Console()
     render_tuning(summary, rows, console)
-    console.print(f"plan written to {out_path}; prove it live with advisor.autotune(...) or `advisor demo`")
+    console.print(f"Budget: {budget_source}. This plan rests on a prediction no trial has checked, for speed or "
+                  f"accuracy; plan written to {out_path}: prove it with `advisor validate --plan {out_path}` or "
+                  "advisor.autotune(...)")
 
 
 def tuning_summary(problem, found, rows) -> dict:

@@ -130,6 +130,11 @@ def _saved_profile(tmp_path, rate=1e9):
     prof = profile([(4000 * 4000, 0.04)], rate=rate,
                    kernel_s_per_element={"fp16": (1e-9, 1e-9), "powersgd(rank=4)": (3e-9, 1e-9),
                                          "topk(ratio=0.01)": (5e-9, 1e-9)})
+    from profilers.profile import FidelityEntry, FidelityProfile
+
+    errors = {"fp16": 0.001, "powersgd(rank=4)": 0.3, "topk(ratio=0.01)": 0.6}
+    prof.fidelity = FidelityProfile(6, 2, [FidelityEntry(b.index, c, e, 1 - e) for b in prof.compute.buckets
+                                           for c, e in errors.items()])
     path = tmp_path / "profile.json"
     prof.save(path)
     return path
@@ -141,6 +146,18 @@ def test_whatif_recommends_compression_on_a_slow_link(runner, tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["compress"] and data["best"] == "powersgd(rank=4)"
+
+
+def test_whatif_keeps_to_the_fidelity_budget_and_says_what_no_trial_has_checked(runner, tmp_path):
+    path = _saved_profile(tmp_path)
+    assumed = json.loads(runner.invoke(main, ["whatif", str(path), "--bandwidth", "100mbit", "--json"]).output)
+    assert assumed["budget_source"].startswith("assumed") and not assumed["checked"]
+    assert "no trial has checked" in assumed["verdict"]
+    assert all(r["within_budget"] for r in assumed["rows"] if r["config"] == assumed["best"])
+    strict = json.loads(runner.invoke(main, ["whatif", str(path), "--bandwidth", "100mbit", "--budget", "0",
+                                             "--json"]).output)
+    assert strict["best"] == "none" and not strict["compress"]
+    assert assumed["best"] in strict["over_budget_faster"] and "over the budget" in strict["verdict"]
 
 
 def test_whatif_says_do_not_compress_on_a_fast_link(runner, tmp_path):
