@@ -160,14 +160,19 @@ class AccuracyTrial:
         other = list(range(n))
         random.Random(1).shuffle(other)
         ref, noise_arm = self._arm(None)[:2], self._arm(None)[:2]
+        t_eval = time.perf_counter()
         first = self._checkpoint([ref[0].module, noise_arm[0].module], initial=True)
+        eval_s = self._elapsed(t_eval) / 2  # one evaluation of one model
         self.initial = first[0]
         curves = [[first[0]], [first[1]]]
         checkpoints, step = [0], 0
+        chunk = self.eval_every
         while True:
+            t_chunk = time.perf_counter()
             for (model, opt), order in ((ref, self.order), (noise_arm, other)):
-                self._steps(model, opt, order, step, self.eval_every)
-            step += self.eval_every
+                self._steps(model, opt, order, step, chunk)
+            step_s = self._elapsed(t_chunk) / (2 * chunk)
+            step += chunk
             values = self._checkpoint([ref[0].module, noise_arm[0].module])
             curves[0].append(values[0])
             curves[1].append(values[1])
@@ -191,10 +196,13 @@ class AccuracyTrial:
                        f"the noise ({learned:+.2%} vs {max(noise, self.min_tolerance):.2%}), so the trial can only "
                        "catch divergence")
                 break
-            if step + self.eval_every > self.max_steps:
+            if step + chunk > self.max_steps:
                 why = f"stopped at max_steps={self.max_steps} (fp32 improved {learned:.1%}; noise {noise:.2%})"
                 break
-            projected = per_arm_s * (step + self.eval_every) / step * self.arms_expected
+            # where a step costs much more than an evaluation (a slow link), evaluate more often,
+            # so that even a short trial has late checkpoints enough for the sign test
+            chunk = max(1, min(self.eval_every, math.ceil(3 * eval_s / max(step_s, 1e-9))))
+            projected = per_arm_s * (step + chunk) / step * self.arms_expected
             if step >= self.min_steps and projected > self.time_budget_s:
                 why = (f"stopped after {step} steps at the trial's time budget ({self.time_budget_s:g} s for "
                        f"{self.arms_expected} arms; fp32 improved {learned:.1%}, noise {noise:.2%}): "
@@ -230,7 +238,7 @@ class AccuracyTrial:
         try:
             curve = [self.initial]
             for i, start in enumerate(report.checkpoints[:-1]):
-                self._steps(model, opt, self.order, start, self.eval_every)
+                self._steps(model, opt, self.order, start, report.checkpoints[i + 1] - start)
                 curve.append(self._checkpoint([model.module])[0])
                 if i + 1 in late and i + 2 < len(report.checkpoints):
                     behind = gate.signed_relative(curve[-1:], reference[i + 1 : i + 2], self.higher)[0]
@@ -244,7 +252,9 @@ class AccuracyTrial:
             gap = behind if math.isfinite(curve[-1]) else math.inf
         else:
             gap = gate.relative_gap(report.checkpoints, curve, reference, self.higher)
-        verdict = gate.judge(description or label, gap, tolerance)
+        behind = (not stopped and report.informative
+                  and gate.consistently_behind(report.checkpoints, curve, reference, self.higher))
+        verdict = gate.judge(description or label, gap, tolerance, behind, self.min_tolerance)
         verdict.reason += stopped
         arm = ArmResult(label, kind, description or label, curve, self._elapsed(t0), verdict.accepted,
                         verdict.reason, gap if math.isfinite(gap) else None, fidelity_error)

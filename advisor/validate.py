@@ -4,7 +4,9 @@ On the user's own workload (``package.module:factory``), on local ranks or an em
 cluster of a given link rate (so each arm's time per step is the real one on that link),
 every arm trains from the same initial weights on the same batches in the same order
 (each rank its own shard: batch ``rank``, ``rank + world``, ...): native DDP fp32, a 16-bit
-cast, and the plan (given, or found by ``autotune`` in the same job first).  Every
+cast, and the plan (given, or found by ``autotune`` in the same job first); the 16-bit and
+plan arms train on past the step count until they reach the target (up to ``extra_steps``
+times as many steps), so each arm's time to the target is measured, not extrapolated.  Every
 ``eval_every`` steps each rank evaluates the workload's held-out metrics; the ranks' values
 are averaged.  Time is training time only (evaluation is not counted), the slowest rank's.
 The report holds every arm's curves against steps and wall time, the time each arm needs
@@ -16,6 +18,7 @@ speed-ups of the plan over fp32 and over 16-bit: the speed-up that counts (Han e
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -48,6 +51,10 @@ class ValidationCurve:
     seconds: list[float]
     metrics: dict[str, list[float]]
     step_s: float
+    #: relative half inter-quartile range of the time per step between checkpoints (its noise)
+    step_noise: float = 0.0
+    #: the step count every arm is compared at (an arm may train on to reach the target)
+    compared_at: int = 0
 
     def time_to(self, metric: str, target: float, higher: bool) -> float | None:
         """Training seconds until ``metric`` first reaches ``target`` (None: never in this run)."""
@@ -57,7 +64,9 @@ class ValidationCurve:
         return None
 
     def final(self, metric: str) -> float:
-        return self.metrics[metric][-1]
+        """The metric at the step count every arm is compared at."""
+        at = self.compared_at or self.steps[-1]
+        return self.metrics[metric][self.steps.index(at)]
 
 
 @dataclass
@@ -150,7 +159,9 @@ class ValidationReport(VersionedDocument):
 
 
 def _train_arm(workload, initial: dict, plan: Plan | None, batches: list, steps: int, eval_every: int,
-               evaluate, metric: str, label: str, kind: str, description: str, group=None) -> ValidationCurve:
+               evaluate, metric: str, label: str, kind: str, description: str, group=None,
+               until: tuple[float, bool] | None = None, max_steps: int | None = None) -> ValidationCurve:
+    """Train one arm for ``steps`` steps, and on (up to ``max_steps``) until ``until = (target, higher)`` is reached."""
     model = copy.deepcopy(workload.model)
     model.load_state_dict(initial)
     ddp = DistributedDataParallel(model, process_group=group)
@@ -158,15 +169,15 @@ def _train_arm(workload, initial: dict, plan: Plan | None, batches: list, steps:
     opt = workload.optimizer(model)
     checkpoints, seconds, curve, times = [0], [0.0], [], []
     curve.append(evaluate_on_every_rank(evaluate, [model], metric, group, require_finite=True)[0])
-    trained = 0.0
+    trained, last = 0.0, max_steps or steps
     try:
-        for step in range(1, steps + 1):
+        for step in range(1, last + 1):
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             workload.loss_fn(ddp, batches[(step - 1) % len(batches)]).backward()
             opt.step()
             times.append(time.perf_counter() - t0)
-            if step % eval_every == 0 or step == steps:
+            if step % eval_every == 0 or step in (steps, last):
                 mine = torch.tensor([trained + sum(times)], dtype=torch.float64)
                 trained += sum(times)
                 times.clear()
@@ -175,17 +186,25 @@ def _train_arm(workload, initial: dict, plan: Plan | None, batches: list, steps:
                 checkpoints.append(step)
                 seconds.append(float(mine))
                 curve.append(evaluate_on_every_rank(evaluate, [model], metric, group)[0])
+                if step >= steps and (until is None or _reached(curve[-1][metric], *until)):
+                    break  # the same all-reduced value on every rank: every rank stops here
     finally:
         if hook is not None:
             hook.close()
     metrics = {k: [c.get(k, float("nan")) for c in curve] for k in curve[0]}
-    step_s = statistics.median([(b - a) / (sb - sa) for a, b, sa, sb in
-                                zip(seconds, seconds[1:], checkpoints, checkpoints[1:])])
-    return ValidationCurve(label, kind, description, checkpoints, seconds, metrics, step_s)
+    per_step = [(b - a) / (sb - sa) for a, b, sa, sb in zip(seconds, seconds[1:], checkpoints, checkpoints[1:])]
+    step_s = statistics.median(per_step)
+    quartiles = statistics.quantiles(per_step, n=4) if len(per_step) >= 2 else [step_s, step_s, step_s]
+    noise = (quartiles[2] - quartiles[0]) / 2 / step_s if step_s > 0 else 0.0
+    return ValidationCurve(label, kind, description, checkpoints, seconds, metrics, step_s, noise, steps)
+
+
+def _reached(value: float, target: float, higher: bool) -> bool:
+    return value >= target if higher else value <= target
 
 
 def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, steps: int, eval_every: int,
-                   sixteen: str, autotune_kwargs: dict, where: str):
+                   sixteen: str, target: float | None, extra: float, autotune_kwargs: dict, where: str):
     workload = build_workload(spec)
     evaluate = workload.evaluator()
     if evaluate is None:
@@ -210,8 +229,12 @@ def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, ste
     native = plan.metadata.get("native") or _describe(plan) == "none everywhere"
     arms = [_train_arm(workload, initial, None, mine, steps, eval_every, evaluate, workload.metric,
                        FP32, FP32, "fp32 (native DDP)")]
+    goal = target if target is not None else workload.target
+    goal = goal if goal is not None else arms[0].final(workload.metric)
+    # the other arms train on (up to ``extra`` times the steps) until they reach it: time to accuracy
+    until = {"until": (goal, higher_is_better(workload.metric)), "max_steps": math.ceil(extra * steps)}
     arms.append(_train_arm(workload, initial, Plan.uniform(sixteen, warmup_steps=0), mine, steps, eval_every,
-                           evaluate, workload.metric, sixteen, SIXTEEN_BIT, f"{sixteen} everywhere"))
+                           evaluate, workload.metric, sixteen, SIXTEEN_BIT, f"{sixteen} everywhere", **until))
     if native:
         arms.append(ValidationCurve(**{**arms[0].__dict__, "label": "plan", "kind": PLAN,
                                        "description": "the plan: fp32 (native DDP, no hook)"}))
@@ -220,7 +243,7 @@ def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, ste
                                        "description": f"the plan: {sixteen} everywhere"}))
     else:
         arms.append(_train_arm(workload, initial, plan, mine, steps, eval_every, evaluate, workload.metric,
-                               "plan", PLAN, f"the plan: {description}"))
+                               "plan", PLAN, f"the plan: {description}", **until))
     return {"arms": arms, "plan": plan.to_dict(), "description": description, "advice": advice,
             "metric": workload.metric, "target": workload.target, "where": where}
 
@@ -232,7 +255,8 @@ def _describe(plan: Plan) -> str:
 
 def validate_workload(spec: str, plan=None, *, nproc: int = 2, rate: str | None = None, steps: int = 300,
                       eval_every: int | None = None, sixteen: str = "fp16", target: float | None = None,
-                      autotune_kwargs: dict | None = None, timeout: float = 3000.0) -> ValidationReport:
+                      extra_steps: float = 2.0, autotune_kwargs: dict | None = None,
+                      timeout: float = 3000.0) -> ValidationReport:
     """Train fp32, ``sixteen`` and ``plan`` on ``nproc`` ranks for ``steps`` steps; compare time to accuracy.
 
     Args:
@@ -242,7 +266,10 @@ def validate_workload(spec: str, plan=None, *, nproc: int = 2, rate: str | None 
         rate: an emulated link rate (``"1gbit"``, root and iproute2), or None for loopback.
         eval_every: steps between evaluations (default: ``steps // 20``, at least 1).
         sixteen: the 16-bit cast trained as the strong baseline (``fp16`` or ``bf16``).
-        target: the metric every arm is timed to (default: the fp32 arm's final value).
+        target: the metric every arm is timed to (default: the workload's target, else the
+            fp32 arm's final value).
+        extra_steps: the 16-bit and plan arms train on, up to this many times ``steps``,
+            until they reach the target (their metrics are still compared at ``steps``).
 
     Raises:
         ValueError: a bad argument, a plan for another model, or a workload without a
@@ -255,6 +282,8 @@ def validate_workload(spec: str, plan=None, *, nproc: int = 2, rate: str | None 
         check_int(name, value)
     eval_every = eval_every if eval_every is not None else max(1, steps // 20)
     check_int("eval_every", eval_every)
+    if not extra_steps >= 1:
+        raise ValueError(f"extra_steps={extra_steps!r}; allowed: a number >= 1")
     if sixteen not in SIXTEEN_BIT_CASTS:
         raise ValueError(f"sixteen={sixteen!r}; allowed: {', '.join(SIXTEEN_BIT_CASTS)}")
     if rate is not None:
@@ -268,7 +297,7 @@ def validate_workload(spec: str, plan=None, *, nproc: int = 2, rate: str | None 
     kwargs = dict(autotune_kwargs or {})
 
     def args(where: str):
-        return (spec, plan_dict, steps, eval_every, sixteen, kwargs, where)
+        return (spec, plan_dict, steps, eval_every, sixteen, target, extra_steps, kwargs, where)
 
     out = run_ranks(_validate_rank, nproc, args, rate=rate, timeout=timeout)[0]
     arms: list[ValidationCurve] = out["arms"]

@@ -108,3 +108,16 @@ def test_autotune_gates_what_it_would_choose_and_reports_the_trial():
         assert chosen.accepted
     again = type(r).from_json(r.to_json())
     assert again.accuracy == r.accuracy and again.budget_source == r.budget_source
+
+
+def test_a_plan_behind_at_every_late_checkpoint_is_rejected_even_within_the_noise():
+    steps = [0, 2, 4, 6, 8, 10, 12, 14, 16]
+    ref = [5.0, 4.0, 3.6, 3.4, 3.3, 3.2, 3.15, 3.1, 3.05]
+    lagging = [v * 1.005 for v in ref]  # 0.5% behind throughout
+    wobbling = [v * (1.005 if i % 2 else 0.995) for i, v in enumerate(ref)]
+    assert gate.consistently_behind(steps, lagging, ref, False)
+    assert not gate.consistently_behind(steps, wobbling, ref, False)
+    assert not gate.consistently_behind(steps[:4], lagging[:4], ref[:4], False), "too few checkpoints to tell"
+    assert not gate.judge("p", 0.005, 0.02, behind_throughout=True, floor=0.002).accepted
+    assert gate.judge("p", 0.001, 0.02, behind_throughout=True, floor=0.002).accepted, "below the floor: harmless"
+    assert gate.judge("p", 0.005, 0.02, behind_throughout=False, floor=0.002).accepted

@@ -19,7 +19,7 @@ def test_a_harmless_plan_reaches_fp32s_accuracy_and_the_report_times_every_arm(t
     assert [a.kind for a in report.arms] == ["fp32", "16-bit", "plan"]
     # every arm starts from the same weights: the same held-out loss before the first step
     assert len({a.metrics["loss"][0] for a in report.arms}) == 1
-    assert report.target == fp32.final("loss") and report.time_to_target_s["fp32"] == fp32.seconds[-1]
+    assert report.target == fp32.final("loss") and 0 < report.time_to_target_s["fp32"] <= fp32.seconds[-1]
     assert all(a.seconds == sorted(a.seconds) and a.step_s > 0 for a in report.arms)
     again = ValidationReport.from_json(report.to_json())
     assert again == report

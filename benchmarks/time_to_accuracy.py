@@ -1,0 +1,141 @@
+"""Time to accuracy of the advice, side by side with fp32 and 16-bit, on both bundled tasks.
+
+For each task (digits CNN, stdlib-text LM), link rate (emulated; loopback without root)
+and optimizer (SGD with momentum, AdamW), one job autotunes on the cluster and then trains
+fp32, fp16 and the advice from the same start and batches (``advisor.validate``).  Each row
+prints the final held-out metrics, the time each arm needs to reach fp32's final value,
+and the checks of issue 13's targets:
+
+* accuracy: the advice ends within 1% of fp32's held-out loss (digits: within 0.5 point of
+  its accuracy), or the advice is a baseline;
+* time: the advice reaches the target no later than the best of fp32 and 16-bit, beyond
+  the step-time noise measured in the same run;
+* where it compresses at 100 Mbit/s: a time-to-target speed-up >= 1.3x over 16-bit.
+
+Usage: python benchmarks/time_to_accuracy.py [--tasks digits,text] [--rates 100mbit,1gbit]
+[--optimizers sgd,adamw] [--steps N] [--out rows.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from advisor import workloads
+from advisor.emulated import unavailable_reason
+from advisor.validate import validate_workload
+
+STEPS = {"digits": 300, "text": 300}
+
+
+def _optimizer(name: str, lr: float):
+    if name == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
+    return lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+
+
+def digits_sgd():
+    w = workloads.digits()
+    w.make_optimizer = _optimizer("sgd", 0.05)
+    return w
+
+
+def digits_adamw():
+    w = workloads.digits()
+    w.make_optimizer = _optimizer("adamw", 2e-3)
+    return w
+
+
+def text_sgd():
+    w = workloads.text_lm()
+    w.make_optimizer = _optimizer("sgd", 0.3)
+    return w
+
+
+def text_adamw():
+    w = workloads.text_lm()
+    w.make_optimizer = _optimizer("adamw", 2e-3)
+    return w
+
+
+def row(task: str, rate: str | None, optimizer: str, steps: int) -> dict:
+    spec = f"benchmarks.time_to_accuracy:{task}_{optimizer}"
+    t0 = time.perf_counter()
+    report = validate_workload(spec, None, rate=rate, steps=steps, eval_every=max(1, steps // 20))
+    fp32, sixteen, plan = report.arm("fp32"), report.arm("16-bit"), report.arm("plan")
+    compresses = plan.description.replace("the plan: ", "") not in (
+        "fp32 (native DDP, no hook)", "fp16 everywhere", "bf16 everywhere", "none everywhere")
+    if task == "digits":
+        acc_gap = 100 * (fp32.final("accuracy") - plan.final("accuracy"))
+        accuracy_ok = acc_gap <= 0.5 or not compresses
+        accuracy_text = f"accuracy gap {acc_gap:+.2f} points"
+    else:
+        accuracy_ok = report.gap() <= 0.01 or not compresses
+        accuracy_text = f"loss gap {report.gap():+.2%}"
+    tta = report.time_to_target_s
+    best_base = min((t for t in (tta["fp32"], tta[sixteen.label]) if t is not None), default=None)
+    noise = max(a.step_noise for a in report.arms)
+    time_ok = tta["plan"] is not None and (best_base is None or tta["plan"] <= best_base * (1 + noise))
+    vs16 = report.speedup["vs_16bit"]
+    speed_ok = None if not (compresses and rate == "100mbit") else (vs16 is not None and vs16 >= 1.3)
+    return {"task": task, "rate": rate or "loopback", "optimizer": optimizer, "steps": steps,
+            "advice": plan.description, "compresses": compresses, "metric": report.metric,
+            "final": {a.label: a.final(report.metric) for a in report.arms},
+            "final_accuracy": {a.label: a.final("accuracy") for a in report.arms} if task == "digits" else None,
+            "ms_per_step": {a.label: a.step_s * 1e3 for a in report.arms},
+            "step_noise": {a.label: a.step_noise for a in report.arms},
+            "time_to_target_s": tta, "speedup": report.speedup, "target": report.target,
+            "accuracy_ok": accuracy_ok, "accuracy": accuracy_text, "time_ok": time_ok, "speedup_ok": speed_ok,
+            "wall_s": time.perf_counter() - t0, "report": report.to_dict()}
+
+
+def show(r: dict) -> None:
+    f = r["final"]
+    tta = {k: (f"{v:.1f}s" if v is not None else "never") for k, v in r["time_to_target_s"].items()}
+    s = r["speedup"]
+    print(f"{r['task']:6s} {r['rate']:8s} {r['optimizer']:5s} advice: {r['advice']}")
+    print(f"    final {r['metric']}: " + ", ".join(f"{k} {v:.4f}" for k, v in f.items())
+          + (", accuracy " + ", ".join(f"{k} {v:.1%}" for k, v in r["final_accuracy"].items())
+             if r["final_accuracy"] else ""))
+    print(f"    ms/step: " + ", ".join(f"{k} {v:.1f} (±{r['step_noise'][k]:.1%})" for k, v in r["ms_per_step"].items()))
+    print(f"    time to target {r['target']:.4f}: " + ", ".join(f"{k} {v}" for k, v in tta.items())
+          + f"; TTA speed-up vs fp32 {s['vs_fp32'] or float('nan'):.2f}x, vs 16-bit {s['vs_16bit'] or float('nan'):.2f}x")
+    print(f"    targets: accuracy {'PASS' if r['accuracy_ok'] else 'FAIL'} ({r['accuracy']}), "
+          f"time {'PASS' if r['time_ok'] else 'FAIL'}, 1.3x vs 16-bit "
+          f"{'n/a' if r['speedup_ok'] is None else ('PASS' if r['speedup_ok'] else 'FAIL')}; {r['wall_s']:.0f} s",
+          flush=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", default="digits,text")
+    parser.add_argument("--rates", default="100mbit,1gbit")
+    parser.add_argument("--optimizers", default="sgd,adamw")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    rates = [r for r in args.rates.split(",") if r]
+    if unavailable_reason() is not None:
+        print(f"note: {unavailable_reason()}; running on loopback instead of {rates}")
+        rates = [None]
+    rows = []
+    for task in args.tasks.split(","):
+        for rate in rates:
+            for optimizer in args.optimizers.split(","):
+                r = row(task, rate, optimizer, args.steps or STEPS[task])
+                show(r)
+                rows.append(r)
+                if args.out:
+                    with open(args.out, "w") as fh:
+                        json.dump(rows, fh, indent=1)
+    passed = sum(r["accuracy_ok"] and r["time_ok"] and r["speedup_ok"] is not False for r in rows)
+    print(f"{passed} of {len(rows)} rows meet every target")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
