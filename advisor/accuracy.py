@@ -134,8 +134,7 @@ class AccuracyTrial:
                 raise ValueError(f"{name}={value!r}; allowed: a number > 0")
         if not 0 <= min_tolerance < 1:
             raise ValueError(f"min_tolerance={min_tolerance!r}; allowed: 0 <= min_tolerance < 1")
-        if evaluate is not None and not callable(evaluate):
-            raise TypeError(f"evaluate={evaluate!r}; allowed: a callable evaluate(model) -> {{metric: value}}")
+        check_evaluate(evaluate)
         batches = list(batches)
         if not batches:
             raise ValueError("the accuracy trial needs at least one batch")
@@ -306,6 +305,12 @@ class AccuracyTrial:
         """The decisive metric of each model, averaged over ranks."""
         found = evaluate_on_every_rank(self.evaluate, models, self.metric, self.group, require_finite=initial)
         return [m[self.metric] for m in found]
+
+
+def check_evaluate(evaluate) -> None:
+    """Refuse an ``evaluate`` that is given but cannot be called, naming what is allowed."""
+    if evaluate is not None and not callable(evaluate):
+        raise TypeError(f"evaluate={evaluate!r}; allowed: a callable evaluate(model) -> {{metric: value}}")
 
 
 def evaluate_on_every_rank(evaluate: Evaluator, models: Sequence[torch.nn.Module], metric: str, group=None,

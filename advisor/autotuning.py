@@ -41,7 +41,7 @@ from policies.learned import MeasurementSet, plan_features
 from policies.optuna_search import OptunaPolicy
 from policies.problem import DEFAULT_REFERENCE, TuningProblem
 
-from .accuracy import AccuracyTrial
+from .accuracy import AccuracyTrial, check_evaluate
 from .compressors.registry import parse
 from .live import LossFn, measure_plans
 from .report import AutotuneResult, bucket_rows
@@ -178,8 +178,7 @@ def autotune(
         raise ValueError(f"measure_s={measure_s!r}; allowed: > 0 seconds")
     if not (isinstance(trial_s, (int, float)) and trial_s > 0):
         raise ValueError(f"trial_s={trial_s!r}; allowed: > 0 seconds")
-    if evaluate is not None and not callable(evaluate):
-        raise TypeError(f"evaluate={evaluate!r}; allowed: a callable evaluate(model) -> {{metric: value}}")
+    check_evaluate(evaluate)
     batches = list(batches)
     if not batches:
         raise ValueError("autotune needs at least one batch")
@@ -227,8 +226,13 @@ def autotune(
                           problem, say)
         if earn:
             pays, why_not = _compression_can_pay(problem, chosen_policy, sixteen, group)
-            if pays:
+            if pays and trial.ensure_started().informative:
                 problem.budget, budget_source = _earn_budget(problem, trial, lossy, sixteen)
+            elif pays:
+                problem.budget = _reference_budget(problem, DEFAULT_REFERENCE)
+                budget_source = (f"assumed: the error of {DEFAULT_REFERENCE} everywhere; fp32 did not improve the "
+                                 f"held-out {metric} in the trial ({trial.trial.report().progress:+.2%}), so no budget "
+                                 "could be earned (pass batches of real data, or evaluate=)")
             else:
                 problem.budget = _error(problem, problem.uniform(sixteen)[0]) if sixteen else 0.0
                 budget_source = (f"not earned: {why_not}, so no compressed plan was trialled; the budget is the "
@@ -281,6 +285,7 @@ def autotune(
     # Only the plan do-no-harm would choose is trialled; a rejected one leaves the race and
     # the choice falls to the next, down to fp32, which needs no trial.
     rejected: list[str] = []
+    checked = ""
     while True:
         mine = decide(measured, min_gain=min_gain)
         decision = _broadcast(mine, group)
@@ -294,6 +299,7 @@ def autotune(
                           described[decision.chosen])
         if arm.accepted:
             decision.reason += f"; accuracy: {arm.reason}"
+            checked = f"in autotune's {trial.trial.report().steps}-step trial: {arm.reason}"
             break
         rejected.append(arm.reason)
         measured = [m for m in measured if m.label != decision.chosen]
@@ -303,11 +309,12 @@ def autotune(
 
     # --- 6. install ----------------------------------------------------------------------
     chosen_choices = choices_of[decision.chosen]
+    accuracy = {"accuracy": checked} if checked else {}
     if decision.kind == CANDIDATE:
         final = problem.plan(chosen_choices, warmup_steps=warmup_steps,
-                             metadata={"advisor": "autotune", "description": described[decision.chosen]})
+                             metadata={"advisor": "autotune", "description": described[decision.chosen], **accuracy})
     elif decision.kind == SIXTEEN_BIT:
-        final = Plan.uniform(decision.chosen, warmup_steps=0, metadata={"advisor": "autotune"})
+        final = Plan.uniform(decision.chosen, warmup_steps=0, metadata={"advisor": "autotune", **accuracy})
     else:
         final = Plan.uniform("none", warmup_steps=0, metadata={"advisor": "autotune", "native": True})
     hook = None
@@ -364,13 +371,18 @@ class LazyTrial:
         self.arms: dict[bytes, Any] = {}
         self.started = False
 
+    def ensure_started(self):
+        """The trial's report, after running its fp32 pair if that has not happened yet."""
+        if not self.started:
+            self.say("accuracy trial: fp32 twice, in two batch orders")
+            self.trial.start()
+            self.started = True
+        return self.trial.report()
+
     def judge(self, label: str, plan: Plan, choices, kind: str, description: str):
         key = np.asarray(choices).tobytes()
         if key not in self.arms:
-            if not self.started:
-                self.say("accuracy trial: fp32 twice, in two batch orders")
-                self.trial.start()
-                self.started = True
+            self.ensure_started()
             self.arms[key] = self.trial.trial(label, plan, kind, description, _error(self.problem, choices))
         return self.arms[key]
 

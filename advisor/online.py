@@ -16,14 +16,24 @@ the model's forward calls, which every rank makes at the same step:
    profile comes from those observations, the network and compressor kernels are
    measured briefly, fidelity is replayed on the captured gradients; rank 0 searches and
    broadcasts the top plans.
-3. **trial**: each baseline (fp32 through the hook, 16-bit) and each top plan trains for
-   ``trial_steps`` steps; their step times (slowest rank) decide, under the do-no-harm rule.
+3. **trial**: each baseline (fp32 through the hook, 16-bit) and each top plan trains until
+   the median of its step times is known to ``trial_precision`` (its standard error, from
+   the median absolute deviation; at least ``trial_steps`` and at most ``max_trial_steps``
+   timed steps, after ``TRIAL_SETTLE`` warm-up steps and without outliers beyond five
+   deviations); the medians (slowest rank) decide under the do-no-harm rule, and the event
+   says how far the margin was from the noise.
 4. **watch** (GraVAC-style): every ``watch_every`` steps the compression gain
    ``||C(g)|| / ||g||`` of each compressed segment is measured on that step's gradients,
    averaged over ranks and compared with the gain measured right after the decision; a
    segment whose gain fell below ``backoff`` times that reference moves to the next less
-   compressing config (more bytes on the wire), down to fp16 and fp32.  Every change is
-   logged and kept in :attr:`OnlineTuner.events`.
+   compressing config (more bytes on the wire), down to fp16 and fp32.
+5. **loss watch**: where the loop reports its loss (``tuner.record_loss(loss)``, one line),
+   the losses of the uncompressed steps (observe, the baseline trials, or ``trend_steps``
+   fp32 steps before a given plan) fit a trend ``a + b·ln(step)``; every ``watch_every``
+   steps under compression, the window's mean loss (over ranks) is compared with the
+   trend's prediction, and two windows in a row above it by more than ``loss_z`` standard
+   errors back every compressed parameter off one level.  Every change is logged and kept
+   in :attr:`OnlineTuner.events`.
 
 All decisions are made from all-reduced numbers and rank 0's choices are broadcast, so
 every rank changes plans at the same step.  ``wrap(..., plan=...)`` skips 1-3 and only
@@ -33,6 +43,7 @@ watches the given plan.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -51,6 +62,37 @@ from .schema import check_int
 log = logging.getLogger("advisor.online")
 
 OBSERVE, TRIAL, WATCH = "observe", "trial", "watch"
+#: steps under a new plan left out of its timing (the first ones pay for buffers and caches)
+TRIAL_SETTLE = 2
+#: configs that change what the weights see: the loss watch follows plans that use them
+_LOSSLESS = ("none", "fp16", "bf16")
+
+
+def robust_median(times: Sequence[float]) -> tuple[float, float]:
+    """(median, relative standard error of the median) of step times, outliers beyond 5 MADs dropped.
+
+    The standard error of a median is about 1.25 * 1.4826 * MAD / sqrt(n) for normal noise.
+    """
+    med = statistics.median(times)
+    mad = statistics.median(abs(t - med) for t in times)
+    kept = [t for t in times if abs(t - med) <= 5 * mad] if mad > 0 else list(times)
+    med = statistics.median(kept)
+    mad = statistics.median(abs(t - med) for t in kept)
+    return med, 1.25 * 1.4826 * mad / math.sqrt(len(kept)) / med if med > 0 else 0.0
+
+
+def loss_trend(steps: Sequence[float], losses: Sequence[float]) -> tuple[float, float, float]:
+    """Least-squares ``loss = a + b·ln(step + 1)`` and the residuals' standard deviation: (a, b, sigma)."""
+    x = [math.log(s + 1) for s in steps]
+    n = len(x)
+    mx, my = sum(x) / n, sum(losses) / n
+    sxx = sum((xi - mx) ** 2 for xi in x)
+    b = sum((xi - mx) * (yi - my) for xi, yi in zip(x, losses)) / sxx if sxx > 0 else 0.0
+    b = min(b, 0.0)  # a trend that rises is no promise: hold the level instead
+    a = my - b * mx
+    resid = [yi - (a + b * xi) for xi, yi in zip(x, losses)]
+    sigma = math.sqrt(sum(r * r for r in resid) / max(1, n - 2))
+    return a, b, sigma
 
 
 @dataclass
@@ -66,7 +108,8 @@ class OnlineTuner:
     def __init__(self, ddp: DistributedDataParallel, optimizer=None, *, candidates: Sequence[str] | None = None,
                  observe_steps: int = 8, trial_steps: int = 4, top: int = 2, trials: int = 500,
                  watch_every: int = 50, backoff: float = 0.8, budget: float | None = None,
-                 plan: Plan | None = None, group=None) -> None:
+                 plan: Plan | None = None, trial_precision: float = 0.02, max_trial_steps: int | None = None,
+                 loss_z: float = 3.0, trend_steps: int = 0, group=None) -> None:
         from .autotuning import DEFAULT_CANDIDATES
 
         if not isinstance(ddp, DistributedDataParallel):
@@ -76,15 +119,30 @@ class OnlineTuner:
             check_int(name, value, minimum)
         if not 0 < backoff <= 10:
             raise ValueError(f"backoff={backoff!r}; allowed: 0 < backoff <= 10 (a fraction of the reference gain)")
+        if not 0 < trial_precision < 1:
+            raise ValueError(f"trial_precision={trial_precision!r}; allowed: 0 < trial_precision < 1 (relative)")
+        max_trial_steps = max_trial_steps if max_trial_steps is not None else 4 * trial_steps
+        check_int("max_trial_steps", max_trial_steps, trial_steps)
+        check_int("trend_steps", trend_steps, 0)
+        if not loss_z > 0:
+            raise ValueError(f"loss_z={loss_z!r}; allowed: > 0 standard errors")
         self.candidates = [parse(c).label for c in (candidates or DEFAULT_CANDIDATES)]
         self.ddp, self.optimizer, self.group = ddp, optimizer, group
         self.observe_steps, self.trial_steps, self.top, self.trials = observe_steps, trial_steps, top, trials
         self.watch_every, self.backoff, self.budget = watch_every, backoff, budget
+        self.trial_precision, self.max_trial_steps, self.loss_z = trial_precision, max_trial_steps, loss_z
+        #: (step, loss, under a lossy plan) of every loss the loop reported
+        self.losses: list[tuple[int, float, bool]] = []
+        self._trend: tuple[float, float, float] | None = None
+        self._strikes = 0
+        self._pending_plan: Plan | None = plan if trend_steps > 0 else None
+        self._trend_steps = trend_steps
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.step = 0
         self.events: list[TunerEvent] = []
         self.phase = WATCH if plan is not None else OBSERVE
-        self.hook = install(ddp, plan if plan is not None else Plan.uniform("none", warmup_steps=0), group=group)
+        first = plan if plan is not None and trend_steps == 0 else Plan.uniform("none", warmup_steps=0)
+        self.hook = install(ddp, first, group=group)
         self._handles = [ddp.register_forward_pre_hook(self._on_forward_start),
                          ddp.register_forward_hook(self._on_forward_end)]
         self._starts: list[float] = []
@@ -112,8 +170,10 @@ class OnlineTuner:
         if self.phase == OBSERVE:
             self._start_observing()
         else:
-            self._watch_countdown = 3  # reference gain on step 2, after DDP's bucket rebuild
-            self._note("watch", f"watching the given plan {plan.digest()}")
+            self._watch_countdown = 3 + trend_steps  # reference gain after DDP's bucket rebuild
+            self._note("watch", f"watching the given plan {plan.digest()}" + (
+                f" after {trend_steps} fp32 steps that set the loss trend" if trend_steps else
+                " (no fp32 steps before it: the loss watch has no trend; pass trend_steps=N)"))
         if optimizer is not None:
             self._handles.append(optimizer.register_step_pre_hook(self._optimizer_start))
             self._handles.append(optimizer.register_step_post_hook(self._optimizer_end))
@@ -133,6 +193,18 @@ class OnlineTuner:
     @property
     def plan(self) -> Plan:
         return self.hook.plan
+
+    def record_loss(self, loss) -> None:
+        """Report this step's training loss (a float or a scalar tensor); feeds the loss watch.
+
+        Call once per training step on every rank, after the forward pass.
+        """
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        self.losses.append((self.step - 1, value, self._lossy()))
+
+    def _lossy(self) -> bool:
+        plan = self.hook.plan
+        return any(c.label not in _LOSSLESS for c in [plan.default, *(g.compressor for g in plan.groups)])
 
     def close(self) -> None:
         for h in self._handles:
@@ -284,11 +356,21 @@ class OnlineTuner:
 
     def _trial_step(self, now: float) -> None:
         self._trial_count += 1
-        if self._trial_count > 1:  # the first step under a new plan warms it up
-            self._trial_times[self._current_trial].append(now - self._last_start)
+        times = self._trial_times[self._current_trial]
+        if self._trial_count > TRIAL_SETTLE:  # the first steps under a new plan warm it up
+            times.append(now - self._last_start)
         self._last_start = now
-        if self._trial_count <= self.trial_steps:
+        if len(times) < self.trial_steps:
             return
+        if len(times) < self.max_trial_steps:
+            # every rank must agree to go on: the least precise rank decides
+            precision = robust_median(times)[1]
+            if self.world > 1:
+                t = torch.tensor([precision], dtype=torch.float64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+                precision = float(t)
+            if precision > self.trial_precision:
+                return
         if self._trial_queue:
             self._next_trial(now)
             return
@@ -301,24 +383,40 @@ class OnlineTuner:
         from profilers.compute import slowest
 
         labels = list(self._trial_times)
-        # each trial is one round here: its per-step spread stands in for the noise;
-        # medians and spreads share one collective
-        merged = slowest([statistics.median(self._trial_times[label]) for label in labels]
-                         + [statistics.pstdev(self._trial_times[label]) for label in labels], self.group)
-        medians, spread = merged[: len(labels)], merged[len(labels):]
-        measured = [LiveMeasurement(label, self._trial_kind[label], [max(1e-9, m - s), m, m + s])
-                    for label, m, s in zip(labels, medians, spread)]
+        stats = [robust_median(self._trial_times[label]) for label in labels]
+        # medians and their standard errors share one collective; the slowest rank sets the pace
+        merged = slowest([m for m, _ in stats] + [e for _, e in stats], self.group)
+        medians, errors = merged[: len(labels)], merged[len(labels):]
+        measured = [LiveMeasurement(label, self._trial_kind[label],
+                                    [m * (1 - min(2 * e, 0.99)), m, m * (1 + 2 * e)])
+                    for label, m, e in zip(labels, medians, errors)]
         decision = _broadcast(decide(measured), self.group)
         self.hook.set_plan(self._trial_plans[decision.chosen], reason=f"online decision: {decision.chosen}")
         self.phase = WATCH
         self._reference_gain.clear()
         self._watch_countdown = 1  # measure the reference gain on the next step
-        self._note("decided", decision.reason)
+        gain = 1 - 1 / decision.gain_vs_best_baseline if decision.gain_vs_best_baseline else 0.0
+        noise = decision.margin
+        if decision.compress:
+            sure = f"sure: {gain:.1%} faster, {gain / max(noise, 1e-9):.1f}x the noise ({noise:.1%})"
+        elif gain <= 0:
+            sure = f"sure: the best compressed plan is {-gain:.1%} slower"
+        else:
+            sure = (f"not sure: the best compressed plan is {gain:.1%} faster, within the noise ({noise:.1%}), "
+                    "so the baseline stands")
+        steps = {label: len(self._trial_times[label]) for label in labels}
+        self._note("decided", f"{decision.reason} ({sure}; timed steps per plan: "
+                              + ", ".join(f"{k} {v}" for k, v in steps.items()) + ")")
 
     # --- phase 4: watch -----------------------------------------------------------------
     def _watch_step(self) -> None:
+        if self._pending_plan is not None and self.step == self._trend_steps:
+            self.hook.set_plan(self._pending_plan, reason="the given plan, after the fp32 steps of the loss trend",
+                               verify=False)
+            self._pending_plan = None
         if self._watch_next:
             self._finish_watch()
+            self._check_loss()
         self._watch_countdown -= 1
         if self._watch_countdown <= 0:
             self._begin_watch()
@@ -376,7 +474,49 @@ class OnlineTuner:
         if backoffs:
             self._back_off(backoffs)
 
-    def _back_off(self, backoffs) -> None:
+    def _check_loss(self) -> None:
+        """Two watch windows in a row above the uncompressed steps' loss trend: back off one level."""
+        if not self._lossy():
+            self._strikes = 0
+            return
+        lossy = [(step, loss) for step, loss, under in self.losses if under]
+        window = [(s, v) for s, v in lossy if s > self.step - self.watch_every - 1]
+        baseline = [(s, v) for s, v, under in self.losses if not under and s >= 1]
+        # every rank takes part in the same collectives, whatever it recorded
+        counts = torch.tensor([len(baseline), len(window)], dtype=torch.float64)
+        if self.world > 1:
+            dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=self.group)
+        n_base, n_window = int(counts[0]), int(counts[1])
+        if n_base < 4 or n_window < 1:
+            return
+        if self._trend is None:
+            mean = torch.tensor([v for _, v in baseline[-n_base:]], dtype=torch.float64)
+            if self.world > 1:
+                dist.all_reduce(mean, group=self.group)
+                mean /= self.world
+            self._trend = loss_trend([s for s, _ in baseline[-n_base:]], mean.tolist())
+        a, b, sigma = self._trend
+        window = window[-n_window:]
+        t = torch.tensor([sum(v for _, v in window) / n_window], dtype=torch.float64)
+        if self.world > 1:
+            dist.all_reduce(t, group=self.group)
+            t /= self.world
+        observed = float(t)
+        expected = sum(a + b * math.log(s + 1) for s, _ in window) / n_window
+        bound = expected + self.loss_z * sigma / math.sqrt(n_window)
+        self._strikes = self._strikes + 1 if observed > bound else 0
+        if self._strikes < 2:
+            return
+        self._strikes = 0
+        params = [n for n, _ in self.ddp.module.named_parameters()]
+        moves = {n: (0.0, 1.0) for n in params if self.plan.config_for(n).label not in ("none",)}
+        detail = (f"training loss {observed:.4g} over the last {n_window} steps vs {expected:.4g} expected from the "
+                  f"uncompressed steps' trend (bound {bound:.4g}, {self.loss_z:g} standard errors), two windows in "
+                  "a row")
+        self._note("loss-watch", detail)
+        self._back_off(moves, why="the loss fell behind its trend")
+
+    def _back_off(self, backoffs, why: str = "") -> None:
         """``backoffs``: {parameter name: (gain, reference gain)}; one level less compression each."""
         params = dict(self.ddp.module.named_parameters())
         assignments = {n: self.plan.config_for(n).label for n in params}
@@ -389,6 +529,10 @@ class OnlineTuner:
         new_plan = Plan.from_assignments({n: c for n, c in assignments.items() if c != "none"}, warmup_steps=0)
         self.hook.set_plan(new_plan, reason="online back-off", verify=False)
         self._reference_gain.clear()  # measured again under the new plan on the next watch
+        if why:
+            self._note("back-off", "; ".join(f"{a} -> {b} on {len(r)} parameter(s) ({why})"
+                                             for (a, b), r in moves.items()))
+            return
         self._note("back-off", "; ".join(
             f"{a} -> {b} on {len(r)} parameter(s) (gain fell to {min(r):.2f}-{max(r):.2f} of its reference; "
             f"threshold {self.backoff:g})" for (a, b), r in moves.items()))

@@ -144,6 +144,11 @@ def render_plan(plan, profile, console: Console | None = None, png: str | None =
     console.print(f"Predicted {timeline.iteration_s * 1e3:.1f} ms/iteration (compute-only floor "
                   f"{timeline.compute_only_s * 1e3:.1f} ms): {summary['speedup_vs_fp32']:.2f}x vs fp32"
                   + (f", {summary['speedup_vs_16bit']:.2f}x vs 16-bit" if sixteen else "") + ".")
+    trial = plan.metadata.get("accuracy")
+    summary["accuracy_checked"] = bool(trial)
+    console.print(f"Accuracy: checked, {trial}" if trial else
+                  "Accuracy: this rests on a prediction no trial has checked; prove the plan with "
+                  "`advisor validate --plan PLAN` (or let autotune trial it)")
     for line in timeline_bars(timeline):
         console.print(line, markup=False, highlight=False)
     console.print("= backward  e encode  . wait for the channel  # on the wire  d decode", markup=False,

@@ -91,6 +91,8 @@ class ValidationReport(VersionedDocument):
     time_to_target_s: dict[str, float | None]
     speedup: dict[str, float | None]
     advice: str = ""
+    #: the autotune result the plan came from (None for a given plan)
+    autotune: dict[str, Any] | None = None
     kind: str = VALIDATION_KIND
     version: int = 2
 
@@ -213,7 +215,7 @@ def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, ste
     initial = copy.deepcopy(workload.model.state_dict())
     batches = list(workload.batches)
     mine = batches[rank::world] if len(batches) >= world else batches
-    advice = ""
+    advice, tuned_result = "", None
     if plan_dict is None:
         from .autotuning import autotune
 
@@ -223,6 +225,7 @@ def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, ste
                           metric=workload.metric, install_plan=False, where=where, **autotune_kwargs)
         plan_dict = result.plan
         advice = f"autotune's advice: {result.reason}"
+        tuned_result = result.to_dict() if rank == 0 else None
         del ddp, tuned
     plan = Plan.from_dict(plan_dict)
     description = plan.metadata.get("description") or _describe(plan)
@@ -245,7 +248,7 @@ def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, ste
         arms.append(_train_arm(workload, initial, plan, mine, steps, eval_every, evaluate, workload.metric,
                                "plan", PLAN, f"the plan: {description}", **until))
     return {"arms": arms, "plan": plan.to_dict(), "description": description, "advice": advice,
-            "metric": workload.metric, "target": workload.target, "where": where}
+            "metric": workload.metric, "target": workload.target, "where": where, "autotune": tuned_result}
 
 
 def _describe(plan: Plan) -> str:
@@ -304,6 +307,11 @@ def validate_workload(spec: str, plan=None, *, nproc: int = 2, rate: str | None 
     metric = out["metric"]
     higher = higher_is_better(metric)
     fp32 = next(a for a in arms if a.kind == FP32)
+    if not math.isfinite(fp32.final(metric)):
+        bad = next(st for st, v in zip(fp32.steps, fp32.metrics[metric]) if not math.isfinite(v))
+        raise ValueError(f"the fp32 arm's held-out {metric} became {fp32.final(metric)} by step {bad} of {steps}: "
+                         f"{spec} diverges without any compression; lower its learning rate (or clip gradients in "
+                         "its loss_fn) before judging plans against it")
     if target is not None:
         goal, source = float(target), "given"
     elif out["target"] is not None:
@@ -317,7 +325,7 @@ def validate_workload(spec: str, plan=None, *, nproc: int = 2, rate: str | None 
     return ValidationReport(
         model=spec, where=out["where"], world_size=nproc, steps=steps, metric=metric, higher_is_better=higher,
         target=goal, target_source=source, plan=out["plan"], description=out["description"], arms=arms,
-        time_to_target_s=tta, speedup=speedup, advice=out["advice"])
+        time_to_target_s=tta, speedup=speedup, advice=out["advice"], autotune=out.get("autotune"))
 
 
 def _ratio(base: float | None, plan: float | None) -> float | None:

@@ -38,28 +38,19 @@ def _optimizer(name: str, lr: float):
     return lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
 
 
-def digits_sgd():
-    w = workloads.digits()
-    w.make_optimizer = _optimizer("sgd", 0.05)
-    return w
+def _variant(make, optimizer: str, lr: float):
+    """A workload factory: ``make()`` trained with another optimizer (module level, for spawn)."""
+    def factory():
+        workload = make()
+        workload.make_optimizer = _optimizer(optimizer, lr)
+        return workload
+    return factory
 
 
-def digits_adamw():
-    w = workloads.digits()
-    w.make_optimizer = _optimizer("adamw", 2e-3)
-    return w
-
-
-def text_sgd():
-    w = workloads.text_lm()
-    w.make_optimizer = _optimizer("sgd", 0.3)
-    return w
-
-
-def text_adamw():
-    w = workloads.text_lm()
-    w.make_optimizer = _optimizer("adamw", 2e-3)
-    return w
+digits_sgd = _variant(workloads.digits, "sgd", 0.05)
+digits_adamw = _variant(workloads.digits, "adamw", 2e-3)
+text_sgd = _variant(workloads.text_lm, "sgd", 0.1)  # 0.3 diverged in fp32 by step 300
+text_adamw = _variant(workloads.text_lm, "adamw", 2e-3)
 
 
 def row(task: str, rate: str | None, optimizer: str, steps: int) -> dict:
@@ -81,7 +72,12 @@ def row(task: str, rate: str | None, optimizer: str, steps: int) -> dict:
     noise = max(a.step_noise for a in report.arms)
     time_ok = tta["plan"] is not None and (best_base is None or tta["plan"] <= best_base * (1 + noise))
     vs16 = report.speedup["vs_16bit"]
-    speed_ok = None if not (compresses and rate == "100mbit") else (vs16 is not None and vs16 >= 1.3)
+    if vs16 is None and tta["plan"] is not None and tta[sixteen.label] is None:
+        # 16-bit never got there in its extra steps: its speed-up is at least its whole run over the plan's
+        vs16_bound = sixteen.seconds[-1] / tta["plan"]
+    else:
+        vs16_bound = vs16
+    speed_ok = None if not (compresses and rate == "100mbit") else (vs16_bound is not None and vs16_bound >= 1.3)
     return {"task": task, "rate": rate or "loopback", "optimizer": optimizer, "steps": steps,
             "advice": plan.description, "compresses": compresses, "metric": report.metric,
             "final": {a.label: a.final(report.metric) for a in report.arms},
@@ -89,6 +85,7 @@ def row(task: str, rate: str | None, optimizer: str, steps: int) -> dict:
             "ms_per_step": {a.label: a.step_s * 1e3 for a in report.arms},
             "step_noise": {a.label: a.step_noise for a in report.arms},
             "time_to_target_s": tta, "speedup": report.speedup, "target": report.target,
+            "vs_16bit_at_least": vs16_bound,
             "accuracy_ok": accuracy_ok, "accuracy": accuracy_text, "time_ok": time_ok, "speedup_ok": speed_ok,
             "wall_s": time.perf_counter() - t0, "report": report.to_dict()}
 
@@ -103,7 +100,9 @@ def show(r: dict) -> None:
              if r["final_accuracy"] else ""))
     print(f"    ms/step: " + ", ".join(f"{k} {v:.1f} (±{r['step_noise'][k]:.1%})" for k, v in r["ms_per_step"].items()))
     print(f"    time to target {r['target']:.4f}: " + ", ".join(f"{k} {v}" for k, v in tta.items())
-          + f"; TTA speed-up vs fp32 {s['vs_fp32'] or float('nan'):.2f}x, vs 16-bit {s['vs_16bit'] or float('nan'):.2f}x")
+          + f"; TTA speed-up vs fp32 {s['vs_fp32'] or float('nan'):.2f}x, vs 16-bit "
+          + (f"{s['vs_16bit']:.2f}x" if s["vs_16bit"] is not None else
+             f">= {r['vs_16bit_at_least']:.2f}x (16-bit never reached it)" if r["vs_16bit_at_least"] else "n/a"))
     print(f"    targets: accuracy {'PASS' if r['accuracy_ok'] else 'FAIL'} ({r['accuracy']}), "
           f"time {'PASS' if r['time_ok'] else 'FAIL'}, 1.3x vs 16-bit "
           f"{'n/a' if r['speedup_ok'] is None else ('PASS' if r['speedup_ok'] else 'FAIL')}; {r['wall_s']:.0f} s",

@@ -153,3 +153,26 @@ def shadow_buckets(rank: int, world_size: int, ddp_kwargs: dict):
     shadow, _ = shadow_of(ddp, None)
     batch = list(workload.batches)[0]
     return [[b.parameters for b in ddp_buckets(m, workload.loss_fn, batch)] for m in (ddp, shadow)]
+
+
+def loss_watched_loop(rank: int, world_size: int, steps: int, config: str, kwargs: dict):
+    """The digits loop under wrap with a given plan after fp32 steps that set the loss trend;
+    it reports its loss each step (the one line the loss watch needs)."""
+    from advisor.runtime import Plan
+    from advisor.workloads import build_workload
+
+    workload = build_workload("advisor.workloads:digits")
+    ddp = DDP(workload.model)
+    opt = workload.optimizer()
+    tuner = advisor.wrap(ddp, opt, plan=Plan.uniform(config, warmup_steps=0), **kwargs)
+    batches = list(workload.batches)
+    for i in range(steps):
+        opt.zero_grad()
+        loss = workload.loss_fn(ddp, batches[(2 * i + rank) % len(batches)])
+        loss.backward()
+        opt.step()
+        tuner.record_loss(loss)
+    out = {"events": [(e.step, e.what, e.detail) for e in tuner.events], "plan": tuner.plan.to_dict(),
+           "digest": tuner.plan.digest()}
+    tuner.close()
+    return out

@@ -121,3 +121,26 @@ def test_a_plan_behind_at_every_late_checkpoint_is_rejected_even_within_the_nois
     assert not gate.judge("p", 0.005, 0.02, behind_throughout=True, floor=0.002).accepted
     assert gate.judge("p", 0.001, 0.02, behind_throughout=True, floor=0.002).accepted, "below the floor: harmless"
     assert gate.judge("p", 0.005, 0.02, behind_throughout=False, floor=0.002).accepted
+
+
+def _spearman(xs, ys):
+    from scipy.stats import spearmanr
+
+    return float(spearmanr(xs, ys).statistic)
+
+
+@pytest.mark.slow
+def test_the_update_error_ranks_plans_by_their_trial_gap_at_least_as_well_as_the_gradient_error():
+    """On the bundled LM with AdamW, the update error (through the optimizer) predicts the trial's
+    loss gap at least as well as the gradient error; this is why the search budgets it."""
+    configs = ["intquant(bits=8, packed=0)", "powersgd(rank=16)", "powersgd(rank=4)", "powersgd(rank=1)",
+               "topk(ratio=0.01)", "randomk(ratio=0.1)"]
+    out = launch_local(fidelity_against_trial, 2, ("advisor.workloads:text_lm", configs,
+                                                   {"time_budget_s": 200.0, "max_steps": 32}), timeout=600)[0]
+    assert out["optimizer"] == "AdamW"
+    gaps = [out["gaps"][c] for c in configs]
+    gradient = _spearman([out["errors"][c][0] for c in configs], gaps)
+    update = _spearman([out["errors"][c][1] for c in configs], gaps)
+    print(f"Spearman with the trial gap: gradient error {gradient:.2f}, update error {update:.2f}; "
+          f"errors {out['errors']}, gaps {out['gaps']}")
+    assert update > 0.5 and update >= gradient, (gradient, update, out)

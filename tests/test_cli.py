@@ -193,6 +193,8 @@ def test_report_explains_a_plan_per_bucket_with_a_timeline(runner, tmp_path):
     assert (tmp_path / "t.png").exists()
     data = json.loads(runner.invoke(main, ["report", str(plan_path), "--profile", str(path), "--json"]).output)
     assert len(data["buckets"]) == 8 and data["speedup_vs_fp32"] > 1
+    # a tuned plan is a prediction: nothing has trialled it for accuracy, and the report says so
+    assert not data["accuracy_checked"] and "no trial has checked" in " ".join(result.output.split())
 
 
 def test_report_renders_a_profile(runner, tmp_path):
