@@ -139,7 +139,7 @@ def autotune(
         trial_s: the accuracy trial's time budget in seconds.
         trial_options: more keyword arguments of :class:`advisor.accuracy.AccuracyTrial`
             (``eval_every``, ``signal_to_noise``, ``min_tolerance``, ``max_steps``, ...).
-        fidelity_measure: ``"update"`` or ``"gradient"`` (default: update where measured).
+        fidelity_measure: ``"gradient"`` (default) or ``"update"`` (through the optimizer).
         top, rounds, steps, measure_s: how many of the best predicted plans are measured live,
             in how many interleaved rounds of up to how many steps (about ``measure_s`` a plan
             and round).

@@ -117,11 +117,12 @@ class OnlineTuner:
         for name, value, minimum in (("observe_steps", observe_steps, 3), ("trial_steps", trial_steps, 2),
                                      ("top", top, 1), ("trials", trials, 1), ("watch_every", watch_every, 1)):
             check_int(name, value, minimum)
-        if not 0 < backoff <= 10:
-            raise ValueError(f"backoff={backoff!r}; allowed: 0 < backoff <= 10 (a fraction of the reference gain)")
+        if backoff is not None and not 0 < backoff <= 10:
+            raise ValueError(f"backoff={backoff!r}; allowed: 0 < backoff <= 10 (a fraction of the reference gain), "
+                             "or None to watch the loss only")
         if not 0 < trial_precision < 1:
             raise ValueError(f"trial_precision={trial_precision!r}; allowed: 0 < trial_precision < 1 (relative)")
-        max_trial_steps = max_trial_steps if max_trial_steps is not None else 4 * trial_steps
+        max_trial_steps = max_trial_steps if max_trial_steps is not None else 2 * trial_steps
         check_int("max_trial_steps", max_trial_steps, trial_steps)
         check_int("trend_steps", trend_steps, 0)
         if not loss_z > 0:
@@ -469,7 +470,7 @@ class OnlineTuner:
         backoffs = {}
         for names, gain in gains.items():
             ref = self._reference_gain.get(names)
-            if ref is not None and gain < self.backoff * ref:
+            if self.backoff is not None and ref is not None and gain < self.backoff * ref:
                 backoffs[names] = (gain, ref)
         if backoffs:
             self._back_off(backoffs)

@@ -12,8 +12,10 @@ measures:
   parameter updates that optimizer makes (from its current state, on copies of the
   bucket's parameters) from the applied and from the true gradients.  Adam divides each
   coordinate by its second moment, so what error feedback has not delivered yet can be
-  amplified there; momentum SGD smooths it.  The search budgets this error when it is
-  measured, since it is what the weights see.
+  amplified there; momentum SGD smooths it.  Measured and kept; on the bundled tasks the
+  gradient error predicted the accuracy trial's gaps as well or better (from a fresh Adam
+  state, whose first steps are sign-like, tiny errors become whole updates), so the search
+  budgets the gradient error unless asked for this one.
 
 The ranks' numbers are then averaged.  Replaying each rank's own stream leaves out the
 averaging across ranks, which can only reduce the error of linear compressors.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -155,9 +157,12 @@ def shadow_buckets(rank: int, world_size: int, ddp_kwargs: dict):
     return [[b.parameters for b in ddp_buckets(m, workload.loss_fn, batch)] for m in (ddp, shadow)]
 
 
-def loss_watched_loop(rank: int, world_size: int, steps: int, config: str, kwargs: dict):
-    """The digits loop under wrap with a given plan after fp32 steps that set the loss trend;
-    it reports its loss each step (the one line the loss watch needs)."""
+def loss_watched_loop(rank: int, world_size: int, steps: int, config: str, kwargs: dict, curve: str):
+    """The digits loop under wrap with a given plan after fp32 steps that set the loss trend.
+
+    It reports a constructed loss each step (``curve``: ``"trend"`` follows 2 - 0.3·ln(step + 1)
+    with noise throughout; ``"stall"`` follows it during the fp32 steps, then stays where it
+    was), so the detector is tested on a known answer."""
     from advisor.runtime import Plan
     from advisor.workloads import build_workload
 
@@ -171,7 +176,10 @@ def loss_watched_loop(rank: int, world_size: int, steps: int, config: str, kwarg
         loss = workload.loss_fn(ddp, batches[(2 * i + rank) % len(batches)])
         loss.backward()
         opt.step()
-        tuner.record_loss(loss)
+        trend = 2.0 - 0.3 * math.log(i + 1) + 0.02 * math.sin(7.0 * i + rank)
+        if curve == "stall" and i >= kwargs["trend_steps"]:
+            trend = 2.0 - 0.3 * math.log(kwargs["trend_steps"]) + 0.02 * math.sin(7.0 * i + rank)
+        tuner.record_loss(trend)
     out = {"events": [(e.step, e.what, e.detail) for e in tuner.events], "plan": tuner.plan.to_dict(),
            "digest": tuner.plan.digest()}
     tuner.close()

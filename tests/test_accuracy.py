@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from accuracy_programs import autotune_digits, failing_evaluate, trial_plans
+from accuracy_programs import autotune_digits, failing_evaluate, fidelity_against_trial, trial_plans
 from advisor.launch import launch_local
 from policies import accuracy_gate as gate
 
@@ -99,7 +99,7 @@ def test_autotune_gates_what_it_would_choose_and_reports_the_trial():
     r = out[0]["result"]
     assert all(o["unchanged"] for o in out)
     assert out[0]["result"].recommendation == out[1]["result"].recommendation
-    assert r.fidelity_measure == "update"
+    assert r.fidelity_measure == "gradient"
     assert r.budget_source.startswith(("earned", "not earned"))
     if r.recommendation != "fp32":
         # whatever it advises (16-bit or compressed) was trialled and kept up with fp32
@@ -130,9 +130,11 @@ def _spearman(xs, ys):
 
 
 @pytest.mark.slow
-def test_the_update_error_ranks_plans_by_their_trial_gap_at_least_as_well_as_the_gradient_error():
-    """On the bundled LM with AdamW, the update error (through the optimizer) predicts the trial's
-    loss gap at least as well as the gradient error; this is why the search budgets it."""
+def test_the_default_fidelity_measure_ranks_plans_by_their_trial_gap_at_least_as_well_as_the_other():
+    """On the bundled LM with AdamW (where the two measures differ most), the gradient error ranks
+    plans by the trial's loss gap at least as well as the update error through the optimizer
+    (measured: Spearman 1.0 vs 0.94); this is why it is the default.  One adjacent swap of six
+    plans moves Spearman by 0.06, the margin allowed."""
     configs = ["intquant(bits=8, packed=0)", "powersgd(rank=16)", "powersgd(rank=4)", "powersgd(rank=1)",
                "topk(ratio=0.01)", "randomk(ratio=0.1)"]
     out = launch_local(fidelity_against_trial, 2, ("advisor.workloads:text_lm", configs,
@@ -143,4 +145,8 @@ def test_the_update_error_ranks_plans_by_their_trial_gap_at_least_as_well_as_the
     update = _spearman([out["errors"][c][1] for c in configs], gaps)
     print(f"Spearman with the trial gap: gradient error {gradient:.2f}, update error {update:.2f}; "
           f"errors {out['errors']}, gaps {out['gaps']}")
-    assert update > 0.5 and update >= gradient, (gradient, update, out)
+    from policies.problem import _fidelity_measure
+
+    assert _fidelity_measure(type("P", (), {"fidelity": None})(), None) == "gradient"
+    assert gradient > 0.8 and update > 0.5, (gradient, update, out)
+    assert gradient >= update - 0.06, (gradient, update, out)
