@@ -31,7 +31,7 @@ def test_quickstart_runs_and_prints_the_advice():
 @pytest.mark.slow
 def test_torchrun_script_tunes_online_with_wrap():
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "examples/train_torchrun.py", "--model", "cnn", "--mode", "wrap", "--steps", "40"],
+                          "examples/train_torchrun.py", "--model", "cnn", "--mode", "wrap", "--steps", "60"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
     assert out.returncode == 0, out.stderr[-3000:]
