@@ -98,7 +98,7 @@ def show(r: dict) -> None:
     print(f"    final {r['metric']}: " + ", ".join(f"{k} {v:.4f}" for k, v in f.items())
           + (", accuracy " + ", ".join(f"{k} {v:.1%}" for k, v in r["final_accuracy"].items())
              if r["final_accuracy"] else ""))
-    print(f"    ms/step: " + ", ".join(f"{k} {v:.1f} (±{r['step_noise'][k]:.1%})" for k, v in r["ms_per_step"].items()))
+    print("    ms/step: " + ", ".join(f"{k} {v:.1f} (±{r['step_noise'][k]:.1%})" for k, v in r["ms_per_step"].items()))
     print(f"    time to target {r['target']:.4f}: " + ", ".join(f"{k} {v}" for k, v in tta.items())
           + f"; TTA speed-up vs fp32 {s['vs_fp32'] or float('nan'):.2f}x, vs 16-bit "
           + (f"{s['vs_16bit']:.2f}x" if s["vs_16bit"] is not None else
