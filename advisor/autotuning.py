@@ -39,7 +39,8 @@ from policies.do_no_harm import CANDIDATE, FP32, SIXTEEN_BIT, LiveMeasurement, d
 from policies.greedy import GreedyPolicy
 from policies.learned import MeasurementSet, plan_features
 from policies.optuna_search import OptunaPolicy
-from policies.problem import DEFAULT_REFERENCE, TuningProblem
+from policies.problem import BASELINES, DEFAULT_REFERENCE, TuningProblem
+from policies.problem import SIXTEEN_BIT as SIXTEEN_BIT_CASTS
 
 from .accuracy import AccuracyTrial, check_evaluate
 from .compressors.registry import parse
@@ -217,7 +218,7 @@ def autotune(
     sixteen = _sixteen_bit(problem)
     trial = None
     if gated:
-        lossy = sorted((c for c in problem.configs if c not in ("none", "fp16", "bf16")),
+        lossy = sorted((c for c in problem.configs if c not in BASELINES),
                        key=lambda c: float(problem.fidelity_error(problem.uniform(c))[0]))
         probes = math.ceil(math.log2(len(lossy) + 1)) if earn else 0
         trial = LazyTrial(AccuracyTrial(ddp_model, loss_fn, batches, optimizer, evaluate=evaluate,
@@ -258,7 +259,7 @@ def autotune(
         kinds[sixteen], described[sixteen] = SIXTEEN_BIT, f"{sixteen} everywhere"
         choices_of[sixteen] = problem.uniform(sixteen)[0]
         predicted[sixteen] = float(problem.predict(problem.uniform(sixteen))[0])
-    seen = {v.tobytes() for v in choices_of.values()} | {problem.uniform(c)[0].tobytes() for c in ("fp16", "bf16")
+    seen = {v.tobytes() for v in choices_of.values()} | {problem.uniform(c)[0].tobytes() for c in SIXTEEN_BIT_CASTS
                                                          if c in problem.configs}
     for choices in _short_list(problem, found, top):
         if choices.tobytes() in seen:
@@ -342,7 +343,7 @@ def _sixteen_bit(problem) -> str | None:
 
     Both cost the same bytes; measuring one saves cluster time on slow links.
     """
-    sixteen = [c for c in ("fp16", "bf16") if c in problem.configs]
+    sixteen = [c for c in SIXTEEN_BIT_CASTS if c in problem.configs]
     if not sixteen:
         return None
     return min(sixteen, key=lambda c: float(problem.predict(problem.uniform(c))[0]) * (1 + 0.02 * (c == "bf16")))
@@ -445,7 +446,7 @@ def _earn_budget(problem, trial: LazyTrial, lossy: Sequence[str], sixteen: str |
 def _short_list(problem, found, top: int) -> list[np.ndarray]:
     """The search's top plans, plus the fastest feasible uniform compressed plan for diversity:
     neighbours of one plan tend to share the model's blind spots."""
-    uniform = [problem.uniform(c)[0] for c in problem.configs if c not in ("none", "fp16", "bf16")]
+    uniform = [problem.uniform(c)[0] for c in problem.configs if c not in BASELINES]
     uniform = [u for u in uniform if problem.feasible(u[None, :])[0]]
     extra = [min(uniform, key=lambda u: float(problem.predict(u[None, :])[0]))] if uniform else []
     return list(found.top(top)) + extra

@@ -145,9 +145,6 @@ def parse_duration(text: str) -> float:
     return value * {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6}[unit]
 
 
-BASELINES = ("none", "fp16", "bf16")
-
-
 @main.command("whatif")
 @click.argument("profile_path", metavar="PROFILE")
 @click.option("--world-size", type=int, default=None, help="Workers (1..1024); default: as profiled.")

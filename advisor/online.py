@@ -53,6 +53,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from policies.problem import BASELINES
+
 from .compressors import SegmentLayout, parse
 from .compressors.registry import CompressorConfig
 from .runtime import Plan, install
@@ -64,8 +66,6 @@ log = logging.getLogger("advisor.online")
 OBSERVE, TRIAL, WATCH = "observe", "trial", "watch"
 #: steps under a new plan left out of its timing (the first ones pay for buffers and caches)
 TRIAL_SETTLE = 2
-#: configs that change what the weights see: the loss watch follows plans that use them
-_LOSSLESS = ("none", "fp16", "bf16")
 
 
 def robust_median(times: Sequence[float]) -> tuple[float, float]:
@@ -204,8 +204,9 @@ class OnlineTuner:
         self.losses.append((self.step - 1, value, self._lossy()))
 
     def _lossy(self) -> bool:
+        """Whether the plan uses a config beyond the baselines: the loss watch follows those."""
         plan = self.hook.plan
-        return any(c.label not in _LOSSLESS for c in [plan.default, *(g.compressor for g in plan.groups)])
+        return any(c.label not in BASELINES for c in [plan.default, *(g.compressor for g in plan.groups)])
 
     def close(self) -> None:
         for h in self._handles:

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from policies.problem import SIXTEEN_BIT as SIXTEEN_BIT_CASTS
+
 from .accuracy import evaluate_on_every_rank
 from .runtime import Plan, install
 from .runtime.plan import as_plan
@@ -37,7 +39,6 @@ from .workloads import build_workload, higher_is_better, load_factory
 VALIDATION_KIND = "compression-advisor/validation"
 #: arm kinds
 FP32, SIXTEEN_BIT, PLAN = "fp32", "16-bit", "plan"
-SIXTEEN_BIT_CASTS = ("fp16", "bf16")
 
 
 @dataclass
