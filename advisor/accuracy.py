@@ -41,6 +41,10 @@ from .workloads import Evaluator, held_out_loss
 from .workloads import higher_is_better as metric_higher_is_better
 
 
+#: min_steps multiples before a trial whose fp32 progress stays inside its noise stops as uninformative
+UNINFORMATIVE_AFTER = 3
+
+
 @dataclass
 class ArmResult:
     """One arm of the trial: its metric at every checkpoint (mean over ranks) and the verdict."""
@@ -190,7 +194,9 @@ class AccuracyTrial:
                        f"tolerance ({max(noise, self.min_tolerance):.2%}, from {self.noise_checkpoints} "
                        "late checkpoints)")
                 break
-            if step >= self.min_steps and enough_noise and learned <= max(noise, self.min_tolerance):
+            # a noise band that swamps fp32's progress may still settle (fast early training
+            # differs most between batch orders): declare the trial uninformative only later
+            if step >= UNINFORMATIVE_AFTER * self.min_steps and enough_noise and learned <= max(noise, self.min_tolerance):
                 why = (f"stopped after {step} steps: fp32 did not improve the held-out {self.metric} by more than "
                        f"the noise ({learned:+.2%} vs {max(noise, self.min_tolerance):.2%}), so the trial can only "
                        "catch divergence")
@@ -253,7 +259,9 @@ class AccuracyTrial:
             gap = gate.relative_gap(report.checkpoints, curve, reference, self.higher)
         behind = (not stopped and report.informative
                   and gate.consistently_behind(report.checkpoints, curve, reference, self.higher))
-        verdict = gate.judge(description or label, gap, tolerance, behind, self.min_tolerance)
+        lost = -gate.progress(curve, self.higher) if math.isfinite(curve[-1]) else math.inf
+        verdict = gate.judge(description or label, gap, report.tolerance, behind, self.min_tolerance,
+                             informative=report.informative, lost=lost)
         verdict.reason += stopped
         arm = ArmResult(label, kind, description or label, curve, self._elapsed(t0), verdict.accepted,
                         verdict.reason, gap if math.isfinite(gap) else None, fidelity_error)

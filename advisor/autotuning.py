@@ -41,6 +41,7 @@ from policies.learned import MeasurementSet, plan_features
 from policies.optuna_search import OptunaPolicy
 from policies.problem import BASELINES, DEFAULT_REFERENCE, TuningProblem
 from policies.problem import SIXTEEN_BIT as SIXTEEN_BIT_CASTS
+from profilers.training_state import preferred_sixteen_bit
 
 from .accuracy import AccuracyTrial, check_evaluate
 from .compressors.registry import parse
@@ -215,7 +216,7 @@ def autotune(
         budget_source = f"given: the error of {problem.reference} everywhere"
     else:
         budget_source = "given" if not earn else "earned"
-    sixteen = _sixteen_bit(problem)
+    sixteen = _sixteen_bit(problem, optimizer)
     trial = None
     if gated:
         lossy = sorted((c for c in problem.configs if c not in BASELINES),
@@ -285,27 +286,14 @@ def autotune(
     # --- 5. decide: fastest beyond the noise, then proven for accuracy; rank 0 decides -------
     # Only the plan do-no-harm would choose is trialled; a rejected one leaves the race and
     # the choice falls to the next, down to fp32, which needs no trial.
-    rejected: list[str] = []
-    checked = ""
-    while True:
-        mine = decide(measured, min_gain=min_gain)
-        decision = _broadcast(mine, group)
-        if decision.chosen != mine.chosen:
-            log.warning("rank %d would have chosen %s; following rank 0's decision (%s)", _rank(group),
-                        mine.chosen, decision.chosen)
-        if trial is None or decision.kind == FP32:
-            break
-        arm = trial.judge(decision.chosen, plans[decision.chosen], choices_of[decision.chosen],
-                          gate.SIXTEEN_BIT if decision.kind == SIXTEEN_BIT else gate.CANDIDATE,
-                          described[decision.chosen])
-        if arm.accepted:
-            decision.reason += f"; accuracy: {arm.reason}"
-            checked = f"in autotune's {trial.trial.report().steps}-step trial: {arm.reason}"
-            break
-        rejected.append(arm.reason)
-        measured = [m for m in measured if m.label != decision.chosen]
-    if rejected:
-        decision.reason += "; rejected for accuracy: " + "; ".join(rejected)
+    judge = None
+    if trial is not None:
+        def judge(d):
+            return trial.judge(d.chosen, plans[d.chosen], choices_of[d.chosen],
+                               gate.SIXTEEN_BIT if d.kind == SIXTEEN_BIT else gate.CANDIDATE, described[d.chosen])
+    decision, checked, _ = decide_for_accuracy(measured, judge, min_gain=min_gain, group=group)
+    if checked:
+        checked = f"in autotune's {trial.trial.report().steps}-step trial: {checked}"
     t_decided = time.perf_counter()
 
     # --- 6. install ----------------------------------------------------------------------
@@ -338,15 +326,53 @@ def autotune(
     return result
 
 
-def _sixteen_bit(problem) -> str | None:
-    """The 16-bit baseline: the cast the model predicts faster (fp16 on a tie: finer mantissa).
+def decide_for_accuracy(measured: Sequence[LiveMeasurement], judge: Callable[[Any], Any] | None, *,
+                        min_gain: float = 0.0, group=None):
+    """Do no harm for speed, then for accuracy: the decision and why its accuracy stands.
+
+    Every rank calls it with the same measurements; rank 0's decision is broadcast.  Only the
+    plan do-no-harm chooses is judged (``judge(decision) -> ArmResult``, the accuracy trial);
+    a rejected one leaves the race and the choice falls to the next, down to fp32, which
+    needs no trial.  Returns ``(decision, accepted_reason, rejected_reasons)``;
+    ``accepted_reason`` is "" when nothing was judged, and the decision's reason names every
+    rejection with its numbers.
+    """
+    measured = list(measured)
+    rejected: list[str] = []
+    checked = ""
+    while True:
+        mine = decide(measured, min_gain=min_gain)
+        decision = _broadcast(mine, group)
+        if decision.chosen != mine.chosen:
+            log.warning("rank %d would have chosen %s; following rank 0's decision (%s)", _rank(group),
+                        mine.chosen, decision.chosen)
+        if judge is None or decision.kind == FP32:
+            break
+        arm = judge(decision)
+        if arm.accepted:
+            decision.reason += f"; accuracy: {arm.reason}"
+            checked = arm.reason
+            break
+        rejected.append(arm.reason)
+        measured = [m for m in measured if m.label != decision.chosen]
+    if rejected:
+        decision.reason = decision.reason.replace("no compressed candidate was measured",
+                                                  "no measured compressed candidate passed the accuracy trial")
+        decision.reason += "; rejected for accuracy: " + "; ".join(rejected)
+    return decision, checked, rejected
+
+
+def _sixteen_bit(problem, optimizer=None) -> str | None:
+    """The 16-bit baseline: the cast the model predicts faster; on a tie (within 2%) the one the
+    optimizer prefers (:func:`profilers.training_state.preferred_sixteen_bit`).
 
     Both cost the same bytes; measuring one saves cluster time on slow links.
     """
     sixteen = [c for c in SIXTEEN_BIT_CASTS if c in problem.configs]
     if not sixteen:
         return None
-    return min(sixteen, key=lambda c: float(problem.predict(problem.uniform(c))[0]) * (1 + 0.02 * (c == "bf16")))
+    preferred = preferred_sixteen_bit(optimizer)
+    return min(sixteen, key=lambda c: float(problem.predict(problem.uniform(c))[0]) * (1 + 0.02 * (c != preferred)))
 
 
 def _reference_budget(problem, reference: str) -> float:

@@ -412,8 +412,9 @@ def report_cmd(path, profile_path, png, as_json) -> None:
 @click.option("--rate", default=None, help="Emulated link rate, e.g. 100mbit (root); default: loopback.")
 @click.option("--steps", default=300, show_default=True, help="Training steps per arm.")
 @click.option("--eval-every", type=int, default=None, help="Steps between evaluations (default: steps/20).")
-@click.option("--sixteen", type=click.Choice(["fp16", "bf16"]), default="fp16", show_default=True,
-              help="The 16-bit cast trained as the strong baseline.")
+@click.option("--sixteen", type=click.Choice(["fp16", "bf16"]), default=None,
+              help="The 16-bit cast trained as the strong baseline (default: bf16 for Adam-like optimizers, "
+                   "else fp16).")
 @click.option("--target", type=float, default=None, help="Metric value to time every arm to (default: fp32's final).")
 @click.option("--nproc", default=2, show_default=True)
 @click.option("--png", default=None, help="Write the curves (against steps and wall time) here.")
@@ -427,7 +428,7 @@ def validate_cmd(spec, plan_path, rate, steps, eval_every, sixteen, target, npro
 
     status = Console(stderr=True)
     try:
-        with status.status(f"training fp32, {sixteen} and the plan for {steps} steps each on {nproc} ranks"
+        with status.status(f"training fp32, {sixteen or '16-bit'} and the plan for {steps} steps each on {nproc} ranks"
                            + ("" if plan_path else " (autotuning first)") + " ..."):
             report = validate_workload(spec, plan_path, nproc=nproc, rate=rate, steps=steps, eval_every=eval_every,
                                        sixteen=sixteen, target=target)

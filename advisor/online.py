@@ -21,7 +21,11 @@ the model's forward calls, which every rank makes at the same step:
    the median absolute deviation; at least ``trial_steps`` and at most ``max_trial_steps``
    timed steps, after ``TRIAL_SETTLE`` warm-up steps and without outliers beyond five
    deviations); the medians (slowest rank) decide under the do-no-harm rule, and the event
-   says how far the margin was from the noise.
+   says how far the margin was from the noise.  Where ``loss_fn`` and ``batches`` are given
+   (and the optimizer), the plan that wins on speed must also pass the accuracy gate, the
+   same paired trial as :func:`advisor.autotune`'s (:mod:`advisor.accuracy`): shadow copies
+   from the current weights, with a clone of the optimizer, next to fp32 on those batches;
+   a rejected plan leaves the race and the next one is judged, down to fp32.
 4. **watch** (GraVAC-style): every ``watch_every`` steps the compression gain
    ``||C(g)|| / ||g||`` of each compressed segment is measured on that step's gradients,
    averaged over ranks and compared with the gain measured right after the decision; a
@@ -109,7 +113,10 @@ class OnlineTuner:
                  observe_steps: int = 8, trial_steps: int = 4, top: int = 2, trials: int = 500,
                  watch_every: int = 50, backoff: float = 0.8, budget: float | None = None,
                  plan: Plan | None = None, trial_precision: float = 0.02, max_trial_steps: int | None = None,
-                 loss_z: float = 3.0, trend_steps: int = 0, group=None) -> None:
+                 loss_z: float = 3.0, trend_steps: int = 0, loss_fn=None, batches: Sequence | None = None,
+                 evaluate=None, held_out: Sequence | None = None, metric: str = "loss", trial_s: float = 40.0,
+                 trial_options: dict | None = None, group=None) -> None:
+        from .accuracy import check_evaluate
         from .autotuning import DEFAULT_CANDIDATES
 
         if not isinstance(ddp, DistributedDataParallel):
@@ -127,6 +134,23 @@ class OnlineTuner:
         check_int("trend_steps", trend_steps, 0)
         if not loss_z > 0:
             raise ValueError(f"loss_z={loss_z!r}; allowed: > 0 standard errors")
+        if (loss_fn is None) != (batches is None):
+            raise ValueError("the accuracy gate needs both loss_fn and batches (loss_fn(model, batch) -> loss, and "
+                             "batches of real training data to train the trial's shadow copies on); pass both, "
+                             "or neither to decide on speed alone")
+        if batches is not None and optimizer is None:
+            raise ValueError("the accuracy gate trains copies of the model with a clone of the training optimizer; "
+                             "pass it: wrap(ddp_model, optimizer, loss_fn=..., batches=...)")
+        if batches is not None and not list(batches):
+            raise ValueError("batches is empty; the accuracy gate needs at least one batch of real training data")
+        if not (isinstance(trial_s, (int, float)) and trial_s > 0):
+            raise ValueError(f"trial_s={trial_s!r}; allowed: > 0 seconds")
+        check_evaluate(evaluate)
+        self._gate_args = None if batches is None else dict(
+            loss_fn=loss_fn, batches=list(batches), evaluate=evaluate, held_out=held_out, metric=metric,
+            time_budget_s=float(trial_s), **dict(trial_options or {}))
+        #: the accuracy trial's report, where the gate ran (``loss_fn`` and ``batches`` given)
+        self.accuracy = None
         self.candidates = [parse(c).label for c in (candidates or DEFAULT_CANDIDATES)]
         self.ddp, self.optimizer, self.group = ddp, optimizer, group
         self.observe_steps, self.trial_steps, self.top, self.trials = observe_steps, trial_steps, top, trials
@@ -153,6 +177,8 @@ class OnlineTuner:
         self._ready: dict[str, float] = {}
         self._grads: dict[tuple[str, ...], list[torch.Tensor]] = {}
         self._trial_queue: list[tuple[str, Plan, str]] = []
+        self._problem = None
+        self._trial_choices: dict = {}
         self._trial_times: dict[str, list[float]] = {}
         self._trial_kind: dict[str, str] = {}
         self._trial_plans: dict[str, Plan] = {}
@@ -316,6 +342,7 @@ class OnlineTuner:
         from policies.optuna_search import OptunaPolicy
         from policies.problem import TuningProblem
         from profilers.profile import ClusterProfile
+        from profilers.training_state import preferred_sixteen_bit
 
         from .autotuning import _broadcast, _rank
 
@@ -329,13 +356,21 @@ class OnlineTuner:
             found = OptunaPolicy(n_trials=self.trials).search(problem)
         found = _broadcast(found, self.group)
         queue = [("fp32", Plan.uniform("none", warmup_steps=0), "fp32")]
-        queue += [(c, Plan.uniform(c, warmup_steps=0), "16-bit") for c in ("fp16", "bf16") if c in problem.configs]
+        # one 16-bit cast: both send the same bytes, and the optimizer decides which keeps more
+        # (bf16's range for Adam-like optimizers, fp16's mantissa for SGD)
+        casts = [c for c in ("fp16", "bf16") if c in problem.configs]
+        preferred = preferred_sixteen_bit(self.optimizer)
+        casts = [preferred] if preferred in casts else casts[:1]
+        queue += [(c, Plan.uniform(c, warmup_steps=0), "16-bit") for c in casts]
+        self._problem = problem
+        self._trial_choices = {c: problem.uniform(c)[0] for c, _, kind in queue if kind == "16-bit"}
         seen = {problem.uniform(c)[0].tobytes() for c in problem.baselines()}
         for choices in found.top(self.top):
             if choices.tobytes() in seen:
                 continue
             seen.add(choices.tobytes())
             label = problem.describe(choices)
+            self._trial_choices[label] = choices
             queue.append((label, problem.plan(choices, warmup_steps=0), "candidate"))
         self._trial_queue = queue
         self._trial_times = {}
@@ -379,9 +414,9 @@ class OnlineTuner:
         self._decide()
 
     def _decide(self) -> None:
-        from policies.do_no_harm import LiveMeasurement, decide
+        from policies.do_no_harm import LiveMeasurement
 
-        from .autotuning import _broadcast
+        from .autotuning import decide_for_accuracy
         from profilers.compute import slowest
 
         labels = list(self._trial_times)
@@ -392,14 +427,20 @@ class OnlineTuner:
         measured = [LiveMeasurement(label, self._trial_kind[label],
                                     [m * (1 - min(2 * e, 0.99)), m, m * (1 + 2 * e)])
                     for label, m, e in zip(labels, medians, errors)]
-        decision = _broadcast(decide(measured), self.group)
+        decision, checked, rejected = decide_for_accuracy(measured, self._accuracy_judge(), group=self.group)
+        if checked:
+            self._note("accuracy", f"{decision.chosen} passed the {self.accuracy.steps}-step paired trial: {checked}")
+        elif self.accuracy is not None and decision.kind == "fp32":
+            self._note("accuracy", "no plan faster than fp32 passed the paired trial; fp32 stands")
         self.hook.set_plan(self._trial_plans[decision.chosen], reason=f"online decision: {decision.chosen}")
         self.phase = WATCH
         self._reference_gain.clear()
         self._watch_countdown = 1  # measure the reference gain on the next step
         gain = 1 - 1 / decision.gain_vs_best_baseline if decision.gain_vs_best_baseline else 0.0
         noise = decision.margin
-        if decision.compress:
+        if rejected and not decision.compress:
+            sure = f"sure on accuracy: {len(rejected)} faster plan(s) fell behind fp32 in the paired trial"
+        elif decision.compress:
             sure = f"sure: {gain:.1%} faster, {gain / max(noise, 1e-9):.1f}x the noise ({noise:.1%})"
         elif gain <= 0:
             sure = f"sure: the best compressed plan is {-gain:.1%} slower"
@@ -409,6 +450,35 @@ class OnlineTuner:
         steps = {label: len(self._trial_times[label]) for label in labels}
         self._note("decided", f"{decision.reason} ({sure}; timed steps per plan: "
                               + ", ".join(f"{k} {v}" for k, v in steps.items()) + ")")
+
+    def _accuracy_judge(self):
+        """``judge(decision) -> ArmResult`` of the paired trial from the current weights, or None (no gate).
+
+        The trial starts (its two fp32 arms) only when a plan other than fp32 wins on speed.
+        """
+        if self._gate_args is None:
+            return None
+        from policies import accuracy_gate as gate
+
+        from .accuracy import AccuracyTrial
+        from .autotuning import LazyTrial
+
+        args = dict(self._gate_args)
+        loss_fn, batches = args.pop("loss_fn"), args.pop("batches")
+        trial = LazyTrial(AccuracyTrial(self.ddp, loss_fn, batches, self.optimizer, group=self.group,
+                                        arms_expected=2 + len(self._trial_plans) - 1, **args),
+                          self._problem, lambda msg: log.info("step %d: %s", self.step, msg))
+
+        def judge(decision):
+            kind = gate.SIXTEEN_BIT if self._trial_kind[decision.chosen] == "16-bit" else gate.CANDIDATE
+            arm = trial.judge(decision.chosen, self._trial_plans[decision.chosen],
+                              self._trial_choices[decision.chosen], kind, decision.chosen)
+            self.accuracy = trial.trial.report()
+            if not arm.accepted:
+                self._note("accuracy", f"{decision.chosen} rejected: {arm.reason}")
+            return arm
+
+        return judge
 
     # --- phase 4: watch -----------------------------------------------------------------
     def _watch_step(self) -> None:
@@ -555,6 +625,7 @@ def wrap(ddp_model: DistributedDataParallel, optimizer=None, **kwargs) -> Online
 
     Call on every rank before the first training step.  Keyword arguments: see
     :class:`OnlineTuner` (``observe_steps``, ``trial_steps``, ``top``, ``watch_every``,
-    ``backoff``, ``candidates``, ``budget``, ``plan`` to only watch a given plan).
+    ``backoff``, ``candidates``, ``budget``, ``plan`` to only watch a given plan, and for the
+    accuracy gate ``loss_fn``, ``batches``, ``evaluate``, ``held_out``, ``metric``, ``trial_s``).
     """
     return OnlineTuner(ddp_model, optimizer, **kwargs)

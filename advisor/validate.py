@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from policies.problem import SIXTEEN_BIT as SIXTEEN_BIT_CASTS
+from profilers.training_state import preferred_sixteen_bit
 
 from .accuracy import evaluate_on_every_rank
 from .runtime import Plan, install
@@ -207,8 +208,10 @@ def _reached(value: float, target: float, higher: bool) -> bool:
 
 
 def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, steps: int, eval_every: int,
-                   sixteen: str, target: float | None, extra: float, autotune_kwargs: dict, where: str):
+                   sixteen: str | None, target: float | None, extra: float, autotune_kwargs: dict, where: str):
     workload = build_workload(spec)
+    if sixteen is None:
+        sixteen = preferred_sixteen_bit(workload.optimizer(copy.deepcopy(workload.model)))
     evaluate = workload.evaluator()
     if evaluate is None:
         raise ValueError(f"workload {spec!r} has neither evaluate nor held_out batches: give it one, so "
@@ -258,7 +261,7 @@ def _describe(plan: Plan) -> str:
 
 
 def validate_workload(spec: str, plan=None, *, nproc: int = 2, rate: str | None = None, steps: int = 300,
-                      eval_every: int | None = None, sixteen: str = "fp16", target: float | None = None,
+                      eval_every: int | None = None, sixteen: str | None = None, target: float | None = None,
                       extra_steps: float = 2.0, autotune_kwargs: dict | None = None,
                       timeout: float = 3000.0) -> ValidationReport:
     """Train fp32, ``sixteen`` and ``plan`` on ``nproc`` ranks for ``steps`` steps; compare time to accuracy.
@@ -269,7 +272,8 @@ def validate_workload(spec: str, plan=None, *, nproc: int = 2, rate: str | None 
         plan: a Plan, its dict or a JSON path; None: autotune in the same job first.
         rate: an emulated link rate (``"1gbit"``, root and iproute2), or None for loopback.
         eval_every: steps between evaluations (default: ``steps // 20``, at least 1).
-        sixteen: the 16-bit cast trained as the strong baseline (``fp16`` or ``bf16``).
+        sixteen: the 16-bit cast trained as the strong baseline (``fp16`` or ``bf16``; default: the
+            one the workload's optimizer keeps more of, bf16 for Adam-like ones, else fp16).
         target: the metric every arm is timed to (default: the workload's target, else the
             fp32 arm's final value).
         extra_steps: the 16-bit and plan arms train on, up to this many times ``steps``,
@@ -288,7 +292,7 @@ def validate_workload(spec: str, plan=None, *, nproc: int = 2, rate: str | None 
     check_int("eval_every", eval_every)
     if not extra_steps >= 1:
         raise ValueError(f"extra_steps={extra_steps!r}; allowed: a number >= 1")
-    if sixteen not in SIXTEEN_BIT_CASTS:
+    if sixteen is not None and sixteen not in SIXTEEN_BIT_CASTS:
         raise ValueError(f"sixteen={sixteen!r}; allowed: {', '.join(SIXTEEN_BIT_CASTS)}")
     if rate is not None:
         parse_rate(rate)

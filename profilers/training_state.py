@@ -69,3 +69,33 @@ def clone_optimizer(optimizer: torch.optim.Optimizer, source: torch.nn.Module,
                              "model; pass the optimizer built over this model's parameters")
     targets = dict(target.named_parameters())
     return optimizer_over(optimizer, {i: targets[n] for i, n in names.items()})
+
+
+#: state a per-coordinate adaptive optimizer keeps (Adam's second moment, RMSprop's and
+#: Adagrad's running squares, Adadelta's, Adafactor's factored rows)
+_SECOND_MOMENT_STATE = ("exp_avg_sq", "square_avg", "sum", "acc_delta", "exp_avg_sq_row", "exp_inf")
+_ADAPTIVE = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "SparseAdam",
+             "Adafactor", "LAMB", "Lamb")
+
+
+def scales_per_coordinate(optimizer: torch.optim.Optimizer | None) -> bool:
+    """Whether the optimizer divides each coordinate by its own running magnitude (Adam, RMSprop, ...).
+
+    Such optimizers turn a tiny gradient coordinate into an lr-sized step, so the relative
+    precision of small gradients matters to them, not only the absolute error.
+    """
+    if optimizer is None:
+        return False
+    if type(optimizer).__name__ in _ADAPTIVE:
+        return True
+    return any(key in state for state in optimizer.state.values() for key in _SECOND_MOMENT_STATE)
+
+
+def preferred_sixteen_bit(optimizer: torch.optim.Optimizer | None) -> str:
+    """The 16-bit cast to prefer when both cost the same: bf16 for per-coordinate optimizers, else fp16.
+
+    fp16 ends its normal range at 6.1e-5: late in training most gradient entries sit below it
+    (subnormal, a few bits of mantissa) or flush to zero, which Adam-like optimizers magnify;
+    bf16 keeps fp32's range.  For SGD the absolute error stays tiny and fp16's finer mantissa wins.
+    """
+    return "bf16" if scales_per_coordinate(optimizer) else "fp16"

@@ -160,9 +160,9 @@ def shadow_buckets(rank: int, world_size: int, ddp_kwargs: dict):
 def loss_watched_loop(rank: int, world_size: int, steps: int, config: str, kwargs: dict, curve: str):
     """The digits loop under wrap with a given plan after fp32 steps that set the loss trend.
 
-    It reports a constructed loss each step (``curve``: ``"trend"`` follows 2 - 0.3·ln(step + 1)
-    with noise throughout; ``"stall"`` follows it during the fp32 steps, then stays where it
-    was), so the detector is tested on a known answer."""
+    It reports the real training loss (``curve="real"``) or a constructed one, so the detector is
+    also tested on a known answer: ``"trend"`` follows 2 - 0.3·ln(step + 1) with noise
+    throughout; ``"stall"`` follows it during the fp32 steps, then stays where it was."""
     from advisor.runtime import Plan
     from advisor.workloads import build_workload
 
@@ -179,8 +179,52 @@ def loss_watched_loop(rank: int, world_size: int, steps: int, config: str, kwarg
         trend = 2.0 - 0.3 * math.log(i + 1) + 0.02 * math.sin(7.0 * i + rank)
         if curve == "stall" and i >= kwargs["trend_steps"]:
             trend = 2.0 - 0.3 * math.log(kwargs["trend_steps"]) + 0.02 * math.sin(7.0 * i + rank)
-        tuner.record_loss(trend)
+        tuner.record_loss(loss if curve == "real" else trend)
     out = {"events": [(e.step, e.what, e.detail) for e in tuner.events], "plan": tuner.plan.to_dict(),
            "digest": tuner.plan.digest()}
     tuner.close()
     return out
+
+
+def gated_online_loop(rank: int, world_size: int, steps: int, kwargs: dict):
+    """The digits loop under wrap with the accuracy gate (loss_fn and batches given)."""
+    from advisor.workloads import build_workload
+
+    workload = build_workload("advisor.workloads:digits")
+    ddp = DDP(workload.model)
+    opt = workload.optimizer()
+    batches = list(workload.batches)
+    tuner = advisor.wrap(ddp, opt, loss_fn=workload.loss_fn, batches=batches, evaluate=workload.evaluator(),
+                         **kwargs)
+    for i in range(steps):
+        opt.zero_grad()
+        loss = workload.loss_fn(ddp, batches[(2 * i + rank) % len(batches)])
+        loss.backward()
+        opt.step()
+        tuner.record_loss(loss)
+    report = tuner.accuracy
+    out = {"events": [(e.step, e.what, e.detail) for e in tuner.events], "digest": tuner.plan.digest(),
+           "plan": tuner.plan.to_dict(), "phase": tuner.phase,
+           "arms": None if report is None else [(a.label, a.accepted, a.reason) for a in report.arms],
+           "length": None if report is None else report.length_reason}
+    tuner.close()
+    return out
+
+
+def bad_gate_arguments(rank: int, world_size: int):
+    """Each incomplete accuracy-gate argument raises ValueError naming it; nothing is registered."""
+    from advisor.runtime import Plan
+
+    workload = medium_mlp()
+    ddp = DDP(workload.model)
+    opt = workload.optimizer()
+    messages = []
+    for args, kwargs in (((opt,), {"loss_fn": workload.loss_fn}),
+                         ((), {"loss_fn": workload.loss_fn, "batches": workload.batches}),
+                         ((opt,), {"loss_fn": workload.loss_fn, "batches": workload.batches, "trial_s": 0})):
+        try:
+            advisor.wrap(ddp, *args, **kwargs)
+        except ValueError as exc:
+            messages.append(str(exc))
+    advisor.install(ddp, Plan.uniform("fp16")).close()  # still possible: nothing was registered
+    return messages

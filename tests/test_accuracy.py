@@ -35,6 +35,10 @@ def test_a_plan_is_rejected_beyond_the_tolerance_and_when_it_diverges():
     assert "NaN" in gate.judge("p", math.inf, 0.005).reason
     # when fp32 itself did not learn, only divergence is rejected
     assert gate.judge("p", 0.5, math.inf).accepted and not gate.judge("p", math.inf, math.inf).accepted
+    assert gate.judge("p", 0.5, 0.02, informative=False, lost=-0.01).accepted  # behind, but it did not lose ground
+    assert gate.judge("p", 0.01, 0.02, informative=False, lost=0.5).accepted  # fp32 lost as much
+    losing = gate.judge("p", 0.5, 0.02, informative=False, lost=0.3)  # fp32 stood still, the plan went backwards
+    assert not losing.accepted and "diverges" in losing.reason
 
 
 def test_the_earned_budget_stops_at_the_first_failure_in_error_order():

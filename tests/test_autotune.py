@@ -155,17 +155,49 @@ def test_plans_are_measured_on_a_copy_with_the_models_own_buckets(ddp_kwargs):
 
 
 @pytest.mark.slow
-def test_the_loss_watch_backs_off_when_the_loss_stalls_behind_its_trend_and_not_when_it_follows_it():
+def test_the_loss_watch_backs_off_a_harmful_plan_in_real_training_and_not_a_loss_that_follows_its_trend():
     from autotune_programs import loss_watched_loop
 
-    kwargs = {"trend_steps": 30, "watch_every": 10, "backoff": None,  # the loss watch alone
-              "candidates": ["none", "fp16", "intquant(bits=8, packed=0)"]}
-    stalled = launch_local(loss_watched_loop, 2, (90, "intquant(bits=8, packed=0)", kwargs, "stall"), timeout=300)
-    assert stalled[0]["digest"] == stalled[1]["digest"]
-    events = stalled[0]["events"]
+    kwargs = {"trend_steps": 40, "watch_every": 25, "backoff": None,  # the loss watch alone
+              "candidates": ["none", "fp16", "powersgd(rank=1)", "topk(ratio=0.01)", "randomk(ratio=0.001, no-ef)"]}
+    # random-k 0.1% without error feedback, rescaled to stay unbiased: the digits loss climbs
+    # back above where the fp32 steps left it
+    harmful = launch_local(loss_watched_loop, 2, (120, "randomk(ratio=0.001, no-ef)", kwargs, "real"), timeout=300)
+    assert harmful[0]["digest"] == harmful[1]["digest"]
+    events = harmful[0]["events"]
     assert "loss-watch" in [w for _, w, _ in events] and "back-off" in [w for _, w, _ in events], events
     assert next(d for _, w, d in events if w == "loss-watch").startswith("training loss")
-    # on 2 ranks its sums ride in float16, as many bytes as fp16: the next config sending more is none
-    assert "intquant(bits=8, packed=0) -> none" in next(d for _, w, d in events if w == "back-off")
+    assert "randomk(ratio=0.001, no-ef) ->" in next(d for _, w, d in events if w == "back-off")
+    kwargs = {**kwargs, "trend_steps": 30, "watch_every": 10, "candidates": ["none", "fp16", "intquant(bits=8, packed=0)"]}
     following = launch_local(loss_watched_loop, 2, (90, "intquant(bits=8, packed=0)", kwargs, "trend"), timeout=300)
     assert "loss-watch" not in [w for _, w, _ in following[0]["events"]], following[0]["events"]
+    stalled = launch_local(loss_watched_loop, 2, (90, "intquant(bits=8, packed=0)", kwargs, "stall"), timeout=300)
+    # on 2 ranks its sums ride in float16, as many bytes as fp16: the next config sending more is none
+    assert "intquant(bits=8, packed=0) -> none" in next(d for _, w, d in stalled[0]["events"] if w == "back-off")
+
+
+@pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+def test_wraps_accuracy_gate_rejects_a_harmful_plan_that_wins_on_speed_and_takes_the_next():
+    from autotune_programs import gated_online_loop
+
+    kwargs = {"observe_steps": 5, "trial_steps": 3, "top": 1, "trials": 200, "trial_s": 40.0, "budget": 10.0,
+              "candidates": ["none", "fp16", "topk(ratio=0.001, no-ef)"]}
+    with EmulatedCluster(hosts=2, rate="100mbit") as cluster:
+        out = cluster.run(gated_online_loop, (30, kwargs), timeout=600)
+    assert out[0]["digest"] == out[1]["digest"] and out[0]["phase"] == "watch"
+    verdicts = {label: accepted for label, accepted, _ in out[0]["arms"]}
+    assert verdicts["topk(ratio=0.001, no-ef) everywhere"] is False, out[0]["arms"]
+    decided = next(d for _, w, d in out[0]["events"] if w == "decided")
+    assert "rejected for accuracy: topk(ratio=0.001, no-ef)" in decided
+    from advisor.runtime import Plan
+
+    assert Plan.from_dict(out[0]["plan"]).default.label in ("fp16", "none"), decided
+
+
+def test_wraps_accuracy_gate_needs_loss_fn_batches_and_the_optimizer():
+    from autotune_programs import bad_gate_arguments
+
+    messages = launch_local(bad_gate_arguments, 1, timeout=60)[0]
+    assert "needs both loss_fn and batches" in messages[0]
+    assert "clone of the training optimizer" in messages[1]
+    assert "trial_s=0" in messages[2]

@@ -235,10 +235,11 @@ def test_invalid_configs_name_the_bad_value_and_the_allowed_ones(spec, message):
 
 
 def test_configs_round_trip_through_text_and_dicts():
-    for spec in ALL + ["topk(ratio=0.01, no-ef)", "fp16(ef)"]:
+    for spec in ALL + ["topk(ratio=0.01, no-ef)", "fp16(ef)", "signsgd(no-ef)"]:
         cfg = parse(spec)
         assert parse(cfg.label) == cfg
         assert CompressorConfig.from_dict(cfg.to_dict()) == cfg
+    assert parse("signsgd(no-ef)").label == "signsgd(no-ef)"  # no empty parameter before the flag
     assert parse("powersgd:4") == CompressorConfig("powersgd", {"rank": 4})
     assert parse("topk:0.01").params == {"ratio": 0.01}
     assert parse("intquant(4, 0)").params == {"bits": 4, "packed": 0}

@@ -196,3 +196,23 @@ def test_a_terminated_job_still_removes_its_namespaces():
     proc.wait(timeout=30)
     time.sleep(0.2)
     assert switch not in our_namespaces()
+
+
+def test_adam_like_optimizers_prefer_bf16_gradients_and_sgd_fp16():
+    import torch
+
+    from profilers.training_state import preferred_sixteen_bit, scales_per_coordinate
+
+    params = [torch.nn.Parameter(torch.ones(3))]
+    assert preferred_sixteen_bit(torch.optim.AdamW(params)) == "bf16"
+    assert preferred_sixteen_bit(torch.optim.RMSprop(params)) == "bf16"
+    assert preferred_sixteen_bit(torch.optim.SGD(params, lr=0.1, momentum=0.9)) == "fp16"
+    assert preferred_sixteen_bit(None) == "fp16"
+
+    class HomeMadeAdam(torch.optim.SGD):  # recognised by the state it keeps, whatever its name
+        pass
+
+    custom = HomeMadeAdam(params, lr=0.1)
+    assert not scales_per_coordinate(custom)
+    custom.state[params[0]]["exp_avg_sq"] = torch.zeros(3)
+    assert scales_per_coordinate(custom)

@@ -114,9 +114,10 @@ class CompressorConfig:
     @property
     def label(self) -> str:
         """Short human form, e.g. ``topk(ratio=0.01)``; :func:`parse` reads it back."""
-        inner = ", ".join(f"{k}={v}" for k, v in self.params.items())
-        ef = "" if self.error_feedback is None else (", ef" if self.error_feedback else ", no-ef")
-        return f"{self.name}({inner}{ef})" if inner or ef else self.name
+        parts = [f"{k}={v}" for k, v in self.params.items()]
+        if self.error_feedback is not None:
+            parts.append("ef" if self.error_feedback else "no-ef")
+        return f"{self.name}({', '.join(parts)})" if parts else self.name
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "params": dict(self.params)}
