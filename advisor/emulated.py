@@ -33,6 +33,7 @@ import threading
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .launch import launch_local
@@ -164,6 +165,19 @@ class EmulatedCluster:
             _sh("ip", "link", "set", peer, "up", ns=self.switch)
             self._shape(self.interface, ns)
             self._shape(peer, self.switch)
+        self._write_hosts()
+
+    def _write_hosts(self) -> None:
+        """Give every host's namespace a hosts file naming all cluster addresses (``ip netns``'s
+        /etc/netns/NAME/hosts convention): c10d looks up each peer's host name, and without
+        one it warns on every connection."""
+        # c10d listens on IPv6 sockets, where a peer shows as its v4-mapped address
+        names = "".join(f"{self.address(j)} {self.host(j)}\n::ffff:{self.address(j)} {self.host(j)}\n"
+                        for j in range(self.hosts))
+        for i in range(self.hosts):
+            folder = Path("/etc/netns") / self.host(i)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "hosts").write_text(f"127.0.0.1 localhost\n::1 localhost\n{names}")
 
     def _catch_sigterm(self) -> None:
         # atexit does not run when the process is terminated by a signal; turning SIGTERM
@@ -185,6 +199,7 @@ class EmulatedCluster:
             return
         for ns in [self.host(i) for i in range(self.hosts)] + [self.switch]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
         self._up = False
 
     # --- running ranks --------------------------------------------------------------
@@ -206,8 +221,7 @@ class EmulatedCluster:
             timeout=timeout,
             threads=threads,
             addr=self.address(0),
-            # TORCH_CPP_LOG_LEVEL: c10d warns that namespaced hosts have no hostname
-            env={"GLOO_SOCKET_IFNAME": self.interface, "TORCH_CPP_LOG_LEVEL": "ERROR"},
+            env={"GLOO_SOCKET_IFNAME": self.interface},
             netns=[self.host(i) for i in range(self.hosts)],
             pin=self.pin_cores,
         )

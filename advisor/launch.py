@@ -59,6 +59,24 @@ def enter_netns(name: str) -> None:
             raise OSError(err, f"setns into network namespace {name!r} failed: {os.strerror(err)}")
     finally:
         os.close(fd)
+    hosts = f"/etc/netns/{name}/hosts"
+    if os.path.exists(hosts):
+        _bind_hosts_file(libc, hosts)
+
+
+def _bind_hosts_file(libc, hosts: str) -> None:
+    """Show this process ``hosts`` as /etc/hosts, in a mount namespace of its own (as ``ip netns
+    exec`` does), so the namespace's peers have names."""
+    import ctypes
+
+    clone_newns, ms_rec, ms_private, ms_bind = 0x00020000, 0x4000, 1 << 18, 0x1000
+    if libc.unshare(clone_newns) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"unshare of the mount namespace failed: {os.strerror(err)}")
+    for source, target, flags in ((b"none", b"/", ms_rec | ms_private), (hosts.encode(), b"/etc/hosts", ms_bind)):
+        if libc.mount(source, target, None, flags, None) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mounting {hosts} over /etc/hosts failed: {os.strerror(err)}")
 
 
 def core_shares(world_size: int, cores: Sequence[int] | None = None) -> list[set[int]] | None:

@@ -83,6 +83,13 @@ class AutotuneResult(VersionedDocument):
     #: the installed CompressionHook (None when the advice is native fp32); not in the JSON
     hook: Any = field(default=None, init=False, repr=False, compare=False)
 
+    def __getstate__(self) -> dict:
+        # the hook is live state of this process (a worker thread, a process group): a
+        # result sent to another process carries only its data
+        state = dict(self.__dict__)
+        state["hook"] = None
+        return state
+
     def save_png(self, path) -> None:
         """Measured vs predicted step time of every plan measured live."""
         save_measured_vs_predicted_png(self, path)

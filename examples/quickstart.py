@@ -33,10 +33,7 @@ def train(rank: int, world_size: int):
         optimizer.zero_grad()
         loss_fn(ddp, (x, y)).backward()
         optimizer.step()
-    if result.hook is not None:
-        result.hook.close()
-    result.hook = None
-    return result
+    return result  # the hook closes itself at exit; the result travels without it
 
 
 if __name__ == "__main__":

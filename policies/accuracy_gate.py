@@ -17,7 +17,9 @@ positive means worse, whichever way the metric points.
   same batches in the same order, so a harmless plan's differences from fp32 fluctuate
   around zero; one behind at each of ``k >= 4`` late checkpoints (chance ``2**-k`` for
   symmetric noise) is systematically worse, and such gaps grow as training goes on (a
-  PowerSGD plan on the bundled LM: +0.5% after 8 steps, +5% after 300).  It is rejected
+  PowerSGD plan on the bundled LM: +0.5% after 8 steps, +5% after 300).  A trial cut short
+  by its time budget may have fewer late checkpoints; the test then takes the last ``k``
+  after the start.  It is rejected
   when its mean gap also exceeds the smallest gap counted as harm.
 * ``earned_budget``: the largest fidelity error among trialled plans that passed, where
   every trialled plan with a smaller error passed too (accuracy is assumed to fall with
@@ -75,13 +77,25 @@ def noise_band(steps: Sequence[int], first: Sequence[float], second: Sequence[fl
 SIGN_TEST_CHECKPOINTS = 4
 
 
+def sign_test_window(steps: Sequence[int]) -> list[int]:
+    """Indices the sign test looks at: the late window, or where that has fewer than
+    :data:`SIGN_TEST_CHECKPOINTS` (a trial cut short by its time budget), the last that many
+    checkpoints after the start; empty when there are not that many."""
+    late = late_window(steps)
+    if len(late) >= SIGN_TEST_CHECKPOINTS:
+        return late
+    after_start = list(range(1, len(steps)))
+    return after_start[-SIGN_TEST_CHECKPOINTS:] if len(after_start) >= SIGN_TEST_CHECKPOINTS else []
+
+
 def consistently_behind(steps: Sequence[int], values: Sequence[float], reference: Sequence[float],
                         higher_is_better: bool) -> bool:
-    """Whether the curve is behind the reference at every late checkpoint, with enough of them to tell."""
-    late = late_window(steps)
-    if len(late) < SIGN_TEST_CHECKPOINTS:
+    """Whether the curve is behind the reference at every checkpoint of the sign test's window,
+    with enough of them to tell (see :func:`sign_test_window`)."""
+    window = sign_test_window(steps)
+    if not window:
         return False
-    diffs = signed_relative([values[i] for i in late], [reference[i] for i in late], higher_is_better)
+    diffs = signed_relative([values[i] for i in window], [reference[i] for i in window], higher_is_better)
     return all(d > 0 for d in diffs)
 
 

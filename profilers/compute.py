@@ -152,6 +152,11 @@ def profile_compute(
     fwd, bwd, opt, ready_runs = [], [], [], []
     with StateGuard(ddp.module, optimizer):
         try:
+            if getattr(ddp, "static_graph", False):
+                # a static graph must learn its graph in a synced backward before any under
+                # no_sync (PyTorch asserts otherwise); gradients are discarded, weights untouched
+                ddp.zero_grad(set_to_none=True)
+                loss_fn(ddp, batch_list[0]).backward()
             for i in range(warmup + steps):
                 batch = next(feed)
                 ddp.zero_grad(set_to_none=True)

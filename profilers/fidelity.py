@@ -51,13 +51,16 @@ def capture_gradients(
             ddp.zero_grad(set_to_none=True)
             with ddp.no_sync():
                 loss_fn(ddp, next(feed)).backward()
-            captured.append(
-                [
-                    torch.cat([by_name[n].grad.detach().reshape(-1).float() for n in b.parameters]).clone()
-                    for b in buckets
-                ]
-            )
+            captured.append([torch.cat([_flat_grad(by_name[n]) for n in b.parameters]) for b in buckets])
     return captured
+
+
+def _flat_grad(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's gradient, flat in fp32; zeros where this step left it unused (what DDP
+    all-reduces for it with ``find_unused_parameters``)."""
+    if param.grad is None:
+        return torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+    return param.grad.detach().reshape(-1).float().clone()
 
 
 def bucket_layout(bucket: Bucket, ddp: DistributedDataParallel) -> SegmentLayout:

@@ -253,3 +253,37 @@ def hang_on_rank(rank: int, world_size: int, bad_rank: int):
     t = torch.ones(1)
     dist.all_reduce(t)
     return float(t)
+
+
+def hook_lifetime(rank: int, world_size: int):
+    """The channel's worker ends with a ``with`` block, and when the DDP model holding the hook is collected."""
+    import gc
+    import pickle
+    import threading
+
+    from advisor.report import AutotuneResult
+
+    def workers() -> int:
+        return sum(t.name == "advisor-comm" and t.is_alive() for t in threading.enumerate())
+
+    def one_step(ddp) -> None:
+        x, y = batch(rank, 0)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+
+    out = {"before": workers()}
+    scoped = _ddp(make_model())
+    with install(scoped, mixed_plan()):
+        one_step(scoped)
+        out["inside_with"] = workers()
+    out["after_with"] = workers()
+    ddp = _ddp(make_model())
+    hook = install(ddp, mixed_plan())
+    one_step(ddp)
+    out["running"] = workers()
+    result = AutotuneResult.__new__(AutotuneResult)
+    result.__dict__.update({"hook": hook, "reason": "r"})
+    out["pickled_hook"] = pickle.loads(pickle.dumps(result)).hook
+    del ddp, hook, result
+    gc.collect()
+    out["after_collect"] = workers()
+    return out

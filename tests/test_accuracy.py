@@ -122,6 +122,10 @@ def test_a_plan_behind_at_every_late_checkpoint_is_rejected_even_within_the_nois
     assert gate.consistently_behind(steps, lagging, ref, False)
     assert not gate.consistently_behind(steps, wobbling, ref, False)
     assert not gate.consistently_behind(steps[:4], lagging[:4], ref[:4], False), "too few checkpoints to tell"
+    # a trial cut short (3 late checkpoints of 6) still tests its last 4 after the start
+    short = [0, 4, 7, 11, 15, 19, 23]
+    assert gate.sign_test_window(short) == [3, 4, 5, 6]
+    assert gate.consistently_behind(short, [v * 1.01 for v in ref[:7]], ref[:7], False)
     assert not gate.judge("p", 0.005, 0.02, behind_throughout=True, floor=0.002).accepted
     assert gate.judge("p", 0.001, 0.02, behind_throughout=True, floor=0.002).accepted, "below the floor: harmless"
     assert gate.judge("p", 0.005, 0.02, behind_throughout=False, floor=0.002).accepted

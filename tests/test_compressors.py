@@ -258,3 +258,20 @@ def test_an_embedding_row_no_batch_touches_never_turns_non_finite(spec):
         g = first.reshape(-1) if step == 0 else torch.zeros(512 * 16)
         outs = sim.exchange(comp, [g.clone(), g.clone()], layout)
         assert all(torch.isfinite(o).all() for o in outs), f"{spec}: non-finite output at step {step}"
+
+
+def test_a_mean_that_decodes_to_nan_from_finite_inputs_is_skipped_on_every_rank_and_its_residual_reset():
+    from advisor.compressors.casts import Fp16
+
+    class DecodesBadly(Fp16):  # finite inputs, a broken decode (as intquant's underflowed scale was)
+        def exchange(self, inp, out, layout, state, ctx):
+            yield from super().exchange(inp, out, layout, state, ctx)
+            out.view(-1)[0] = float("nan")
+
+    comp = DecodesBadly(error_feedback=True)
+    sim = SimulatedRanks(2)
+    g = [torch.randn(LAYOUT.numel) for _ in range(2)]
+    out = sim.exchange(comp, g, LAYOUT)
+    for rank in range(2):
+        assert torch.equal(out[rank], torch.zeros(LAYOUT.numel)), "the optimizer must see zeros, not NaN"
+        assert sim.residuals[rank].norm() == 0.0

@@ -145,3 +145,12 @@ def test_a_hanging_rank_ends_the_job_at_the_timeout():
     with pytest.raises(RankFailed, match=r"did not finish within 8 s"):
         launch_local(rp.hang_on_rank, 2, (1,), timeout=8)
     assert time.monotonic() - start < 30
+
+
+def test_the_hook_releases_itself_after_a_with_block_when_its_model_is_collected_and_when_pickled():
+    from rank_programs import hook_lifetime
+
+    for out in launch_local(hook_lifetime, 2, timeout=120):
+        assert out["before"] == 0 and out["inside_with"] == 1 and out["after_with"] == 0, out
+        assert out["running"] == 1 and out["after_collect"] == 0, out
+        assert out["pickled_hook"] is None  # a result sent to another process carries data only

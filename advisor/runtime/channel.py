@@ -281,6 +281,9 @@ def _is_done(handle) -> bool:
 
 
 def _stop_worker(jobs: queue.Queue, thread: threading.Thread, retired: tuple[list, ...] = ()) -> None:
+    if thread is threading.current_thread():  # a finalizer run by a collection on the worker itself
+        jobs.put(None)
+        return
     if thread.is_alive():
         jobs.put(None)
         thread.join(timeout=30)

@@ -11,6 +11,7 @@ segment's compressor sends, plus one flag element (see ``segment.py``).
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -60,9 +61,17 @@ class CompressionHook:
         #: exchanged (profilers and the online tuner watch gradients this way); they must
         #: copy what they keep
         self.observers: list = []
-        channel = ProcessGroupChannel(group) if self.world_size > 1 else LocalChannel()
+        channel = ProcessGroupChannel(traffic_group(group)) if self.world_size > 1 else LocalChannel()
         self.channel = channel
         self._executor = OrderedExecutor(channel, threaded=self.world_size > 1)
+        # the worker stops when this state goes (its DDP model collected), at exit, or on close()
+        self._release = weakref.finalize(self, self._executor.close)
+
+    def __enter__(self) -> "CompressionHook":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # --- per bucket ---------------------------------------------------------------
     def _compressor(self, config: CompressorConfig) -> Compressor:
@@ -195,7 +204,8 @@ class CompressionHook:
         return self._residuals.norm()
 
     def close(self) -> None:
-        self._executor.close()
+        """Stop the channel's worker; the DDP model must not run backward under this hook again."""
+        self._release()
 
 
 def compression_hook(state: CompressionHook, bucket):  # no annotations: DDP checks them by value
@@ -213,6 +223,39 @@ def compression_hook(state: CompressionHook, bucket):  # no annotations: DDP che
         state.step += 1
     state._executor.submit(job)
     return job.future
+
+
+#: the hooks' own process group per user group (keyed by the group's ranks and backend)
+_TRAFFIC_GROUPS: dict[tuple, Any] = {}
+
+
+def traffic_group(group=None):
+    """A process group of ``group``'s ranks that carries only the hooks' collectives; made once.
+
+    The hook's rounds are issued from the channel's thread while DDP (the used-parameter map
+    of ``find_unused_parameters``, ``static_graph``'s checks) and the user (an all-reduce of
+    the loss) issue collectives on ``group`` from the training thread.  On one group the two
+    streams can interleave in a different order on each rank, and gloo then matches the
+    wrong messages; on two groups each stream keeps its own order.  Every rank of ``group``
+    makes its first hook at the same point (:func:`install` is collective), so they create
+    it together.
+    """
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    key = (ranks, str(dist.get_backend(group)))
+    made = _TRAFFIC_GROUPS.get(key)
+    if made is None:
+        made = _TRAFFIC_GROUPS[key] = dist.new_group(list(ranks), backend=key[1], use_local_synchronization=True)
+    return made
+
+
+def _sparse_parameters(module: torch.nn.Module) -> list[str]:
+    """Names of parameters whose gradients are sparse (``nn.Embedding(sparse=True)`` and kin)."""
+    names = []
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.sparse:
+            names += [f"{prefix}.{n}" if prefix else n for n, p in sub.named_parameters(recurse=False)
+                      if p.requires_grad]
+    return names
 
 
 def _trainable_names(module: torch.nn.Module) -> dict[int, str]:
@@ -235,6 +278,12 @@ def install(
     names = _trainable_names(ddp_model.module)
     error, digest = None, None
     try:
+        sparse = _sparse_parameters(ddp_model.module)
+        if sparse:
+            raise ValueError(
+                f"parameters {sparse} have sparse gradients (nn.Embedding(sparse=True)), which the compression "
+                "hook cannot slice into segments; build the embedding with sparse=False (its gradient is then "
+                "dense and can be compressed), or train this model without the hook")
         plan = as_plan(plan)
         plan.check_against(names.values())
         digest = plan.digest()

@@ -101,6 +101,15 @@ def guarded_exchange(
         # fp32 all-reduce: NaN/Inf propagate exactly as in DDP, nothing to protect.
         yield from compressor.exchange(grad, grad, layout, compressor_state, ctx)
         return
+    if grad.dtype != torch.float32:
+        # bf16/fp16 weights: compressors, residuals and the guard work in fp32 (a residual in
+        # 16 bits would lose the small errors it exists to keep); the mean goes back in the
+        # model's dtype
+        work = ctx.buffer("float32-gradient", grad.numel(), torch.float32, grad.device)
+        work.copy_(grad)
+        yield from guarded_exchange(compressor, work, layout, compressor_state, residuals, ctx, on_nonfinite)
+        grad.copy_(work)
+        return
 
     # Compressors that reduce the input anyway (scales, P = MQ) report non-finite values
     # themselves; for the others one fast scan decides before anything is touched.
@@ -162,7 +171,19 @@ def guarded_exchange(
                 message.workspace = ctx.workspace
             combined = yield message
     except StopIteration:
-        return
+        pass
+    # Finite inputs can still decode to Inf/NaN (a scale that underflowed, a sum beyond the
+    # wire dtype's range).  Every rank decodes the same combined data, so every rank reaches
+    # the same verdict without a message: the segment skips this step's update everywhere
+    # (as a loss scaler skips a step), its residual starts over, and the optimizer sees zeros.
+    if not is_finite(grad):
+        grad.zero_()
+        if residuals is not None:
+            residuals.reset(layout)
+        log.warning("%s decoded a non-finite mean for %s at step %d from finite inputs: this segment's update "
+                    "is skipped this step on every rank, residual reset", compressor.name, _describe(layout), ctx.step)
+        if on_nonfinite is not None:
+            on_nonfinite(layout, ctx.step)
 
 
 def _describe(layout: SegmentLayout) -> str:
