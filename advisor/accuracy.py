@@ -259,9 +259,8 @@ class AccuracyTrial:
             gap = gate.relative_gap(report.checkpoints, curve, reference, self.higher)
         behind = (not stopped and report.informative
                   and gate.consistently_behind(report.checkpoints, curve, reference, self.higher))
-        lost = -gate.progress(curve, self.higher) if math.isfinite(curve[-1]) else math.inf
         verdict = gate.judge(description or label, gap, report.tolerance, behind, self.min_tolerance,
-                             informative=report.informative, lost=lost)
+                             informative=report.informative)
         verdict.reason += stopped
         arm = ArmResult(label, kind, description or label, curve, self._elapsed(t0), verdict.accepted,
                         verdict.reason, gap if math.isfinite(gap) else None, fidelity_error)

@@ -257,6 +257,23 @@ def launch_local(
     raise AssertionError("unreachable")
 
 
+def _start_method() -> str:
+    """``forkserver`` with torch and the advisor imported once, where the platform has it.
+
+    Every rank is then a fork of a process that has paid for ``import torch`` (seconds
+    each with ``spawn``); the server itself runs no torch work, so no thread pools or
+    process groups are inherited.  Where fork is unavailable (Windows, macOS defaults) it
+    stays ``spawn``.
+    """
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed", "advisor.launch"])
+    return "forkserver"
+
+
 def _launch_once(
     fn: Callable[..., Any],
     world_size: int,
@@ -281,7 +298,7 @@ def _launch_once(
                   list(netns) if netns else None, shares),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=_start_method(),
         )
         try:
             _wait(ctx.processes, result_dir, timeout)

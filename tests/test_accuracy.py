@@ -35,10 +35,10 @@ def test_a_plan_is_rejected_beyond_the_tolerance_and_when_it_diverges():
     assert "NaN" in gate.judge("p", math.inf, 0.005).reason
     # when fp32 itself did not learn, only divergence is rejected
     assert gate.judge("p", 0.5, math.inf).accepted and not gate.judge("p", math.inf, math.inf).accepted
-    assert gate.judge("p", 0.5, 0.02, informative=False, lost=-0.01).accepted  # behind, but it did not lose ground
-    assert gate.judge("p", 0.01, 0.02, informative=False, lost=0.5).accepted  # fp32 lost as much
-    losing = gate.judge("p", 0.5, 0.02, informative=False, lost=0.3)  # fp32 stood still, the plan went backwards
-    assert not losing.accepted and "diverges" in losing.reason
+    # fp32 improved only within the noise: the noise still bounds the gap, the sign test is off
+    assert gate.judge("p", 0.01, 0.02, behind_throughout=True, floor=0.002, informative=False).accepted
+    behind = gate.judge("p", 0.5, 0.02, informative=False)
+    assert not behind.accepted and "more than the trial's noise" in behind.reason
 
 
 def test_the_earned_budget_stops_at_the_first_failure_in_error_order():
