@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -191,10 +192,9 @@ def autotune(
     if profile is None:
         from profilers.cluster import profile_cluster
 
-        say("profiling compute, network, compressor kernels and fidelity")
         profile = profile_cluster(ddp_model, loss_fn, batches, optimizer,
                                   configs=[c for c in labels if c != "none"], group=group, note=where,
-                                  network_budget_s=15.0)
+                                  network_budget_s=15.0, progress=say)
     from profilers.profile import ClusterProfile
 
     profile = ClusterProfile.from_dict(_broadcast(profile.to_dict(), group))  # one profile for all ranks
@@ -509,9 +509,22 @@ def _result(problem, found, decision, measured, predicted, described, final, cho
     )
 
 
+class StageLog:
+    """Prints each stage with the seconds since the start, on stderr (one rank's view of a job)."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        print(f"  {time.perf_counter() - self.t0:6.1f} s  {message}", file=sys.stderr, flush=True)
+
+
 def _autotune_rank(rank: int, world_size: int, spec: str, kwargs: dict):
     from .workloads import build_workload
 
+    kwargs = dict(kwargs)
+    if kwargs.pop("show_progress", False) and rank == 0:
+        kwargs["progress"] = StageLog()
     workload = build_workload(spec)
     ddp = DistributedDataParallel(workload.model)
     kwargs = {"evaluate": workload.evaluator(), "metric": workload.metric, **kwargs}

@@ -225,8 +225,8 @@ def demo_cmd(steps: int, rounds: int, as_json: bool) -> None:
     from rich.console import Console
 
     console = Console()
-    with console.status(f"profiling, searching and measuring plans on {where} (about a minute) ..."):
-        result = run_demo(steps=steps, rounds=rounds)
+    console.print(f"Autotuning on {where} (about a minute); rank 0's stages:", highlight=False)
+    result = run_demo(steps=steps, rounds=rounds, show_progress=True)
     result.render(console)
 
 

@@ -197,23 +197,13 @@ def save_measured_vs_predicted_png(result: "AutotuneResult", path) -> None:
 
 
 def render_buckets(rows: list[BucketRow], console) -> None:
-    from rich.table import Table
+    from .reports import fitted_table, short_count, wrappable
 
-    from rich import box
-
-    from .reports import short_count
-
-    # light borders and short headers: the table fits an 80-column terminal
-    table = Table(title="Per bucket (in the order backward produces them; #: bucket, par: parameters, size: elements, "
-                        "err: fidelity error)", box=box.SIMPLE_HEAD, pad_edge=False)
-    table.add_column("#", justify="right")
-    table.add_column("par", justify="right")
-    table.add_column("size", justify="right")
-    table.add_column("compressor", no_wrap=True)
-    for col in ("enc ms", "comm ms", "dec ms", "KiB", "err"):
-        table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(str(r.index), str(r.parameters), short_count(r.numel), r.config, f"{r.encode_s * 1e3:.2f}",
-                      f"{r.comm_s * 1e3:.2f}", f"{r.decode_s * 1e3:.2f}", f"{r.wire_bytes / 1024:.0f}",
-                      f"{r.fidelity_error:.3g}")
+    cells = [[str(r.index), str(r.parameters), short_count(r.numel), wrappable(r.config), f"{r.encode_s * 1e3:.2f}",
+              f"{r.comm_s * 1e3:.2f}", f"{r.decode_s * 1e3:.2f}", f"{r.wire_bytes / 1024:.0f}",
+              f"{r.fidelity_error:.2g}"] for r in rows]
+    table = fitted_table("Per bucket (in the order backward produces them;\n#: bucket, par: parameters, size: "
+                         "elements, err: fidelity error)",
+                         ("#", "par", "size", "compressor", "enc ms", "comm ms", "dec ms", "KiB", "err"), cells,
+                         "compressor", console.width)
     console.print(table)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import io
+from collections.abc import Sequence
+
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -49,17 +53,83 @@ def render_profile(profile, console: Console | None = None) -> None:
             kern.add_row(label, f"{enc * 1e3:.2f}", f"{dec * 1e3:.2f}")
         console.print(kern)
     if profile.fidelity is not None:
-        fid = Table(title=f"Gradient fidelity over {profile.fidelity.steps} captured steps (error feedback on)")
-        fid.add_column("config")
-        for b in comp.buckets:
-            fid.add_column(f"bucket {b.index} error / gain", justify="right")
-        by_config: dict[str, dict[int, tuple[float, float]]] = {}
-        for e in profile.fidelity.entries:
-            by_config.setdefault(e.config, {})[e.bucket] = (e.relative_error, e.compression_gain)
+        render_fidelity(profile.fidelity, comp.buckets, console)
+
+
+def natural_width(table: Table) -> int:
+    """Columns ``table`` takes when nothing squeezes it (its title may wrap, its cells do not)."""
+    wide = Console(width=1000, file=io.StringIO())
+    table_title, table.title = table.title, None
+    try:
+        with wide.capture() as captured:
+            wide.print(table)
+    finally:
+        table.title = table_title
+    return max((len(line.rstrip()) for line in captured.get().splitlines()), default=0)
+
+
+def fitted_table(title: str, headers: Sequence[str], cells: Sequence[Sequence[str]], name: str,
+                 width: int) -> Table:
+    """A table of numbers that fits ``width`` columns without cutting one: headers break at
+    their spaces, numbers never wrap, and only the ``name`` column (text) wraps to make room."""
+    widths = [max([len(row[i]) for row in cells] + [max(len(w) for w in header.split())])
+              for i, header in enumerate(headers)]
+    at = list(headers).index(name)
+
+    def table_of(name_width: int) -> Table:
+        table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
+        for i, header in enumerate(headers):
+            if i == at:
+                table.add_column(header, overflow="fold", width=name_width)
+            else:
+                table.add_column(header.replace(" ", "\n"), justify="right", no_wrap=True, min_width=widths[i])
+        for row in cells:
+            table.add_row(*row)
+        return table
+
+    name_width = widths[at]
+    while name_width > len(name) and natural_width(table_of(name_width)) > width:
+        name_width -= 1
+    return table_of(name_width)
+
+
+def render_fidelity(fidelity, buckets, console: Console) -> None:
+    """Fidelity error and compression gain per config (rows) and bucket (columns).
+
+    Wide models are split into several tables of as many buckets as fit the console, so
+    no number is ever cut.
+    """
+    by_config: dict[str, dict[int, tuple[float, float]]] = {}
+    for e in fidelity.entries:
+        by_config.setdefault(e.config, {})[e.bucket] = (e.relative_error, e.compression_gain)
+    label_width = max([len("config")] + [len(c) for c in by_config])
+    indices = [b.index for b in buckets]
+    cell = max(len("(0.00)"), len(str(max(indices, default=0))))
+    title = (f"Gradient fidelity over {fidelity.steps} captured steps (error feedback on): relative error "
+             "per bucket, and in brackets the compression gain ||C(g)||/||g||")
+
+    def table_of(chunk: list[int], first: bool) -> Table:
+        fid = Table(title=title if first else None, box=box.SIMPLE_HEAD, pad_edge=False)
+        fid.add_column("config \\ bucket" if label_width >= 15 else "config", no_wrap=True)
+        for index in chunk:
+            fid.add_column(str(index), justify="right", no_wrap=True, min_width=cell)
         for label, per_bucket in by_config.items():
-            fid.add_row(label, *[f"{per_bucket[b.index][0]:.3f} / {per_bucket[b.index][1]:.2f}"
-                                 for b in comp.buckets if b.index in per_bucket])
+            fid.add_row(label, *[f"{per_bucket[i][0]:.3f}" if i in per_bucket else "-" for i in chunk])
+            fid.add_row("", *[f"({per_bucket[i][1]:.2f})" if i in per_bucket else "" for i in chunk],
+                        style="dim")
+        return fid
+
+    per_table = max(1, len(indices))
+    while per_table > 1 and natural_width(table_of(indices[:per_table], True)) > console.width:
+        per_table -= 1
+    for part, start in enumerate(range(0, len(indices), per_table)):
+        fid = table_of(indices[start : start + per_table], part == 0)
         console.print(fid)
+
+
+def wrappable(label: str) -> str:
+    """A config label with a space before its parameters, where a narrow table may wrap it."""
+    return label.replace("(", " (", 1)
 
 
 def short_count(n: int) -> str:
@@ -111,18 +181,9 @@ def render_plan(plan, profile, console: Console | None = None, png: str | None =
     fidelity = {}
     if profile.fidelity is not None:
         fidelity = {(e.bucket, e.config): e.relative_error for e in profile.fidelity.entries}
-    from rich import box
-
-    table = Table(title=f"Plan {plan.digest()} on {profile.environment.world_size} ranks "
-                        f"({profile.environment.note}); #: bucket, par: parameters, size: elements, err: fidelity error",
-                  box=box.SIMPLE_HEAD, pad_edge=False)
-    table.add_column("#", justify="right")
-    table.add_column("par", justify="right")
-    table.add_column("size", justify="right")
-    table.add_column("compressor", no_wrap=True)
-    for c in ("enc ms", "wait ms", "comm ms", "dec ms", "KiB", "err"):
-        table.add_column(c, justify="right")
-    rows = []
+    title = (f"Plan {plan.digest()} on {profile.environment.world_size} ranks ({profile.environment.note});\n"
+             "#: bucket, par: parameters, size: elements, err: fidelity error (n/p: not profiled)")
+    rows, cells = [], []
     for span, bucket in zip(timeline.buckets, model.buckets):
         err = fidelity.get((bucket.index, span.config), 0.0 if span.config == "none" else None)
         rows.append({"bucket": bucket.index, "parameters": len(bucket.parameters), "numel": bucket.numel,
@@ -131,10 +192,12 @@ def render_plan(plan, profile, console: Console | None = None, png: str | None =
                      "decode_s": span.decode_end_s - span.comm_end_s, "wire_bytes": span.wire_bytes,
                      "fidelity_error": err})
         r = rows[-1]
-        table.add_row(str(r["bucket"]), str(r["parameters"]), short_count(r["numel"]), r["config"],
+        cells.append([str(r["bucket"]), str(r["parameters"]), short_count(r["numel"]), wrappable(r["config"]),
                       f"{r['encode_s'] * 1e3:.2f}", f"{r['wait_s'] * 1e3:.2f}", f"{r['comm_s'] * 1e3:.2f}",
                       f"{r['decode_s'] * 1e3:.2f}", f"{r['wire_bytes'] / 1024:.0f}",
-                      f"{err:.3g}" if err is not None else "not profiled")
+                      f"{err:.2g}" if err is not None else "n/p"])
+    table = fitted_table(title, ("#", "par", "size", "compressor", "enc ms", "wait ms", "comm ms", "dec ms", "KiB",
+                                 "err"), cells, "compressor", console.width)
     summary = {"plan_digest": plan.digest(), "predicted_s": timeline.iteration_s,
                "compute_only_s": timeline.compute_only_s, "baselines_s": base,
                "speedup_vs_fp32": base["none"] / timeline.iteration_s,
@@ -149,7 +212,8 @@ def render_plan(plan, profile, console: Console | None = None, png: str | None =
     console.print(f"Accuracy: checked, {trial}" if trial else
                   "Accuracy: this rests on a prediction no trial has checked; prove the plan with "
                   "`advisor validate --plan PLAN` (or let autotune trial it)")
-    for line in timeline_bars(timeline):
+    label = max([len(b.config) for b in timeline.buckets] + [0])
+    for line in timeline_bars(timeline, width=max(20, min(64, console.width - 14 - label))):
         console.print(line, markup=False, highlight=False)
     console.print("= backward  e encode  . wait for the channel  # on the wire  d decode", markup=False,
                   highlight=False)

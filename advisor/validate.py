@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from .workloads import build_workload, higher_is_better, load_factory
 
 VALIDATION_KIND = "compression-advisor/validation"
 #: arm kinds
-FP32, SIXTEEN_BIT, PLAN = "fp32", "16-bit", "plan"
+FP32, SIXTEEN_BIT, PLAN, NOISE = "fp32", "16-bit", "plan", "fp32 (other order)"
 
 
 @dataclass
@@ -104,6 +105,17 @@ class ValidationReport(VersionedDocument):
                 return a
         raise KeyError(f"no {kind} arm; arms: {[a.kind for a in self.arms]}")
 
+    def noise(self, metric: str | None = None) -> float | None:
+        """How far the two fp32 arms (batch orders) end apart: relative for the report's metric,
+        absolute for another one (accuracy points, for example); None in a report without the arm."""
+        metric = metric or self.metric
+        try:
+            other = self.arm(NOISE).final(metric)
+        except KeyError:
+            return None
+        fp32 = self.arm(FP32).final(metric)
+        return abs(other - fp32) / max(abs(fp32), 1e-12) if metric == self.metric else abs(other - fp32)
+
     def gap(self, kind: str = PLAN) -> float:
         """How much worse the arm's final metric is than fp32's, relative (positive: worse)."""
         plan, fp32 = self.arm(kind).final(self.metric), self.arm(FP32).final(self.metric)
@@ -140,6 +152,11 @@ class ValidationReport(VersionedDocument):
         console.print(f"Target: {self.metric} {'>=' if self.higher_is_better else '<='} {self.target:.4g} "
                       f"({self.target_source}). Time-to-accuracy speed-up of the plan: {fmt(s.get('vs_fp32'))} "
                       f"vs fp32, {fmt(s.get('vs_16bit'))} vs 16-bit.")
+        noise = self.noise()
+        if noise is not None:
+            console.print(f"Noise: the two fp32 runs (batch orders) end {noise:.2%} apart in {self.metric}; the "
+                          f"plan's gap is {self.gap():+.2%}"
+                          + (" (within it)." if self.gap() <= noise else " (beyond it)."))
 
     def save_png(self, path) -> None:
         import matplotlib
@@ -148,7 +165,7 @@ class ValidationReport(VersionedDocument):
         import matplotlib.pyplot as plt
 
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for a, style in zip(self.arms, ("-", "--", "-.", ":")):
+        for a, style in zip(self.arms, ("-", (0, (1, 1)), "--", "-.", ":")):
             axes[0].plot(a.steps, a.metrics[self.metric], style, label=a.description)
             axes[1].plot(a.seconds, a.metrics[self.metric], style, label=a.description)
         axes[0].set(xlabel="step", ylabel=f"held-out {self.metric}")
@@ -236,6 +253,11 @@ def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, ste
     native = plan.metadata.get("native") or _describe(plan) == "none everywhere"
     arms = [_train_arm(workload, initial, None, mine, steps, eval_every, evaluate, workload.metric,
                        FP32, FP32, "fp32 (native DDP)")]
+    # the same run in another batch order: how far apart two equally good runs end (the noise
+    # every final value is judged against)
+    shuffled = random.Random(1).sample(mine, len(mine))
+    arms.append(_train_arm(workload, initial, None, shuffled, steps, eval_every, evaluate, workload.metric,
+                           NOISE, NOISE, "fp32, batches in another order"))
     goal = target if target is not None else workload.target
     goal = goal if goal is not None else arms[0].final(workload.metric)
     # the other arms train on (up to ``extra`` times the steps) until they reach it: time to accuracy
@@ -246,7 +268,7 @@ def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, ste
         arms.append(ValidationCurve(**{**arms[0].__dict__, "label": "plan", "kind": PLAN,
                                        "description": "the plan: fp32 (native DDP, no hook)"}))
     elif _describe(plan) == f"{sixteen} everywhere":
-        arms.append(ValidationCurve(**{**arms[1].__dict__, "label": "plan", "kind": PLAN,
+        arms.append(ValidationCurve(**{**arms[-1].__dict__, "label": "plan", "kind": PLAN,
                                        "description": f"the plan: {sixteen} everywhere"}))
     else:
         arms.append(_train_arm(workload, initial, plan, mine, steps, eval_every, evaluate, workload.metric,

@@ -27,7 +27,9 @@ import torch
 
 from advisor import workloads
 from advisor.emulated import unavailable_reason
+from advisor.runtime import Plan
 from advisor.validate import validate_workload
+from policies.problem import BASELINES
 
 STEPS = {"digits": 300, "text": 300}
 
@@ -58,15 +60,22 @@ def row(task: str, rate: str | None, optimizer: str, steps: int) -> dict:
     t0 = time.perf_counter()
     report = validate_workload(spec, None, rate=rate, steps=steps, eval_every=max(1, steps // 20))
     fp32, sixteen, plan = report.arm("fp32"), report.arm("16-bit"), report.arm("plan")
-    compresses = plan.description.replace("the plan: ", "") not in (
-        "fp32 (native DDP, no hook)", "fp16 everywhere", "bf16 everywhere", "none everywhere")
+    # a plan of 16-bit casts only (fp16 on some buckets, bf16 on others) is a 16-bit baseline here
+    advised = Plan.from_dict(report.plan)
+    compresses = any(c.label not in BASELINES for c in [advised.default, *(g.compressor for g in advised.groups)])
+    # the target (1%, or 0.5 point) is judged next to the measured noise: two fp32 runs in
+    # different batch orders end this far apart
     if task == "digits":
         acc_gap = 100 * (fp32.final("accuracy") - plan.final("accuracy"))
+        acc_noise = 100 * report.noise("accuracy")
         accuracy_ok = acc_gap <= 0.5 or not compresses
-        accuracy_text = f"accuracy gap {acc_gap:+.2f} points"
+        accuracy_text = (f"accuracy gap {acc_gap:+.2f} points, fp32 vs fp32 {acc_noise:.2f} points"
+                         + ("; the gap lies within that noise" if not accuracy_ok and acc_gap <= acc_noise else ""))
     else:
         accuracy_ok = report.gap() <= 0.01 or not compresses
-        accuracy_text = f"loss gap {report.gap():+.2%}"
+        accuracy_text = (f"loss gap {report.gap():+.2%}, fp32 vs fp32 {report.noise():.2%}"
+                         + ("; the gap lies within that noise" if not accuracy_ok and report.gap() <= report.noise()
+                            else ""))
     tta = report.time_to_target_s
     best_base = min((t for t in (tta["fp32"], tta[sixteen.label]) if t is not None), default=None)
     noise = max(a.step_noise for a in report.arms)
@@ -85,6 +94,7 @@ def row(task: str, rate: str | None, optimizer: str, steps: int) -> dict:
             "ms_per_step": {a.label: a.step_s * 1e3 for a in report.arms},
             "step_noise": {a.label: a.step_noise for a in report.arms},
             "time_to_target_s": tta, "speedup": report.speedup, "target": report.target,
+            "final_noise": report.noise(),
             "vs_16bit_at_least": vs16_bound,
             "accuracy_ok": accuracy_ok, "accuracy": accuracy_text, "time_ok": time_ok, "speedup_ok": speed_ok,
             "wall_s": time.perf_counter() - t0, "report": report.to_dict()}

@@ -79,13 +79,21 @@ def profile_cluster(
     network_budget_s: float = 25.0,
     group=None,
     note: str = "",
+    progress=None,
 ) -> ClusterProfile:
-    """Profile compute, network, kernels and fidelity; call on every rank."""
+    """Profile compute, network, kernels and fidelity; call on every rank.
+
+    ``progress(message)`` hears each stage as it starts.
+    """
     if not dist.is_initialized():
         raise RuntimeError("profile_cluster needs an initialised process group (torchrun, or advisor.launch)")
+    say = progress or (lambda message: None)
     batches = list(batches) if not isinstance(batches, list) else batches
     environment = _environment(ddp, group, note)
+    say(f"profiling compute: {warmup + steps} steps without communication")
     compute = profile_compute(ddp, loss_fn, batches, optimizer, steps=steps, warmup=warmup, group=group)
+    if network:
+        say(f"profiling the network: collectives of growing size (up to {network_budget_s:g} s)")
     net = (
         profile_network(group=group, budget_s=network_budget_s,
                         reduction_dtypes=reduction_dtypes_of(configs, environment.world_size))
@@ -94,9 +102,12 @@ def profile_cluster(
     layouts: list[SegmentLayout] = [bucket_layout(b, ddp) for b in compute.buckets]
     kern = None
     if kernels:
+        say(f"timing {len(configs)} compressors' encode and decode on this device")
         device = next(ddp.module.parameters()).device
         local = profile_kernels(layouts, configs, world_size=environment.world_size, device=device)
         kern = _slowest_kernels(local, group)
+    if fidelity:
+        say(f"replaying {fidelity_steps} steps of gradients through every compressor (fidelity)")
     fid = (
         profile_fidelity(ddp, loss_fn, batches, compute.buckets, configs, steps=fidelity_steps, group=group,
                          optimizer=optimizer)

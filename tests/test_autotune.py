@@ -48,8 +48,10 @@ def test_autotune_on_loopback_agrees_on_every_rank_and_leaves_the_model_untouche
 
     from advisor.cli import main
 
-    shown = CliRunner().invoke(main, ["report", str(tmp_path / "result.json"), "--png", str(tmp_path / "m.png")])
+    shown = CliRunner().invoke(main, ["report", str(tmp_path / "result.json"), "--png", str(tmp_path / "m.png")],
+                               env={"COLUMNS": "80"})
     assert shown.exit_code == 0 and "Why:" in shown.output and (tmp_path / "m.png").exists()
+    assert "…" not in shown.output, shown.output  # no number cut at 80 columns
 
 
 @pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))

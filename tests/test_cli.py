@@ -288,3 +288,15 @@ def test_bench_measures_the_advisor_next_to_pytorchs_hooks(runner, tmp_path):
     # the matched comparison: tuned again under PowerSGD rank 1's (looser) fidelity budget
     assert row["matched_budget"] > row["result"]["fidelity_budget"]
     assert row["matched_fidelity"] <= row["matched_budget"] + 1e-9 and row["matched_advice"]
+
+
+def test_reports_at_80_columns_never_cut_a_number(runner, tmp_path):
+    path = _tuning_profile_path(tmp_path, 1e8)
+    plan_path = tmp_path / "plan.json"
+    assert runner.invoke(main, ["tune", str(path), "--policy", "greedy", "--out", str(plan_path)]).exit_code == 0
+    for args in (["report", str(plan_path), "--profile", str(path)], ["report", str(path)]):
+        out = runner.invoke(main, args, env={"COLUMNS": "80"}).output
+        assert "…" not in out, out
+        assert max(len(line) for line in out.splitlines()) <= 80
+    shown = runner.invoke(main, ["report", str(path)], env={"COLUMNS": "80"}).output
+    assert "(0.98)" in shown and "0.898" in shown  # every bucket's numbers, in tables that fit

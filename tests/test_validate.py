@@ -16,7 +16,11 @@ def test_a_harmless_plan_reaches_fp32s_accuracy_and_the_report_times_every_arm(t
     assert fp32.metrics["accuracy"][-1] > 0.9 and fp32.steps == [0, 20, 40, 60, 80, 100, 120]
     assert report.metric == "loss" and not report.higher_is_better
     assert abs(report.gap()) < 0.05, report.to_json()
-    assert [a.kind for a in report.arms] == ["fp32", "16-bit", "plan"]
+    assert [a.kind for a in report.arms] == ["fp32", "fp32 (other order)", "16-bit", "plan"]
+    # the second fp32 run, in another batch order, measures how far apart equally good runs end
+    other = report.arm("fp32 (other order)")
+    assert report.noise() == pytest.approx(abs(other.final("loss") - fp32.final("loss")) / fp32.final("loss"))
+    assert report.noise("accuracy") == pytest.approx(abs(other.final("accuracy") - fp32.final("accuracy")))
     # every arm starts from the same weights: the same held-out loss before the first step
     assert len({a.metrics["loss"][0] for a in report.arms}) == 1
     assert report.target == fp32.final("loss") and 0 < report.time_to_target_s["fp32"] <= fp32.seconds[-1]
