@@ -166,8 +166,8 @@ class ValidationReport(VersionedDocument):
 
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         for a, style in zip(self.arms, ("-", (0, (1, 1)), "--", "-.", ":")):
-            axes[0].plot(a.steps, a.metrics[self.metric], style, label=a.description)
-            axes[1].plot(a.seconds, a.metrics[self.metric], style, label=a.description)
+            axes[0].plot(a.steps, a.metrics[self.metric], linestyle=style, label=a.description)
+            axes[1].plot(a.seconds, a.metrics[self.metric], linestyle=style, label=a.description)
         axes[0].set(xlabel="step", ylabel=f"held-out {self.metric}")
         axes[1].set(xlabel="training time (s)", ylabel=f"held-out {self.metric}")
         for ax in axes:

@@ -245,14 +245,15 @@ def test_validate_trains_fp32_16bit_and_a_plan_on_digits(runner, tmp_path):
                                   "--png", str(tmp_path / "c.png")])
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
-    assert [a["kind"] for a in data["arms"]] == ["fp32", "16-bit", "plan"]
+    assert [a["kind"] for a in data["arms"]] == ["fp32", "fp32 (other order)", "16-bit", "plan"]
     assert data["arms"][0]["steps"] == [0, 10, 20, 30]
     # the others train on until they reach fp32's final loss, up to twice the steps
     assert all(a["steps"][:4] == [0, 10, 20, 30] and a["steps"][-1] <= 60 for a in data["arms"])
-    assert set(data["time_to_target_s"]) == {"fp32", "fp16", "plan"}
+    assert set(data["time_to_target_s"]) == {"fp32", "fp32 (other order)", "fp16", "plan"}
     assert (tmp_path / "c.png").exists()
     shown = runner.invoke(main, ["validate", "--plan", str(plan), "--steps", "10", "--eval-every", "5"])
     assert shown.exit_code == 0 and "Time-to-accuracy speed-up" in shown.output
+    assert "the two fp32 runs (batch orders) end" in " ".join(shown.output.split())
 
 
 def test_validate_refuses_a_plan_for_another_model(runner, tmp_path):
