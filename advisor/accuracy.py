@@ -194,9 +194,13 @@ class AccuracyTrial:
                        f"tolerance ({max(noise, self.min_tolerance):.2%}, from {self.noise_checkpoints} "
                        "late checkpoints)")
                 break
-            # a noise band that swamps fp32's progress may still settle (fast early training
-            # differs most between batch orders): declare the trial uninformative only later
-            if step >= UNINFORMATIVE_AFTER * self.min_steps and enough_noise and learned <= max(noise, self.min_tolerance):
+            # fp32 that learns nothing (random batches) ends the trial at once; a noise band that
+            # swamps real progress may still settle (fast early training differs most between
+            # batch orders), so that trial is declared uninformative only later
+            swamped = learned <= max(noise, self.min_tolerance)
+            flat = swamped and learned <= 2 * self.min_tolerance
+            if step >= self.min_steps and enough_noise and (
+                    flat or (swamped and step >= UNINFORMATIVE_AFTER * self.min_steps)):
                 why = (f"stopped after {step} steps: fp32 did not improve the held-out {self.metric} by more than "
                        f"the noise ({learned:+.2%} vs {max(noise, self.min_tolerance):.2%}), so the trial can only "
                        "catch divergence")

@@ -157,9 +157,12 @@ def render_accuracy(report: AccuracyTrialReport, console) -> None:
     table = Table(title=f"Accuracy trial: {report.steps} steps from the current weights, {report.metric} on {where}")
     for col, justify in (("plan", "left"), ("role", "left"), ("fidelity err", "right"),
                          (f"final {report.metric}", "right"), ("gap vs fp32", "right"), ("verdict", "left")):
-        table.add_column(col, justify=justify)
+        # text columns wrap; numbers never do
+        table.add_column(col, justify=justify, overflow="fold", no_wrap=justify == "right")
+    from .reports import wrappable
+
     for arm in report.arms:
-        table.add_row(arm.description, arm.kind,
+        table.add_row(wrappable(arm.description), arm.kind,
                       f"{arm.fidelity_error:.3g}" if arm.fidelity_error is not None else "-",
                       f"{arm.values[-1]:.4g}", f"{arm.gap:+.2%}" if arm.gap is not None else "diverged",
                       "pass" if arm.accepted else "REJECTED")
