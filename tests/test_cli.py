@@ -286,8 +286,11 @@ def test_bench_measures_the_advisor_next_to_pytorchs_hooks(runner, tmp_path):
 
     assert set(row["times_s"]) == set(SETTINGS)
     assert row["result"]["kind"] == "compression-advisor/autotune-result"
-    # the matched comparison: tuned again under PowerSGD rank 1's (looser) fidelity budget
-    assert row["matched_budget"] > row["result"]["fidelity_budget"]
+    # the matched comparison: tuned again under PowerSGD rank 1's fidelity budget (looser than
+    # an assumed rank-4 budget; an earned one may lie either side of it)
+    assert row["matched_budget_source"] == "given: the error of powersgd(rank=1) everywhere", row
+    if row["result"]["budget_source"].startswith("assumed"):
+        assert row["matched_budget"] > row["result"]["fidelity_budget"]
     assert row["matched_fidelity"] <= row["matched_budget"] + 1e-9 and row["matched_advice"]
 
 
