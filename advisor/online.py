@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from policies.problem import BASELINES
+from policies.problem import BASELINES, SIXTEEN_BIT
 
 from .compressors import SegmentLayout, parse
 from .compressors.registry import CompressorConfig
@@ -232,7 +232,7 @@ class OnlineTuner:
     def _lossy(self) -> bool:
         """Whether the plan uses a config beyond the baselines: the loss watch follows those."""
         plan = self.hook.plan
-        return any(c.label not in BASELINES for c in [plan.default, *(g.compressor for g in plan.groups)])
+        return any(c.label not in BASELINES for c in plan.configs())
 
     def close(self) -> None:
         for h in self._handles:
@@ -358,7 +358,7 @@ class OnlineTuner:
         queue = [("fp32", Plan.uniform("none", warmup_steps=0), "fp32")]
         # one 16-bit cast: both send the same bytes, and the optimizer decides which keeps more
         # (bf16's range for Adam-like optimizers, fp16's mantissa for SGD)
-        casts = [c for c in ("fp16", "bf16") if c in problem.configs]
+        casts = [c for c in SIXTEEN_BIT if c in problem.configs]
         preferred = preferred_sixteen_bit(self.optimizer)
         casts = [preferred] if preferred in casts else casts[:1]
         queue += [(c, Plan.uniform(c, warmup_steps=0), "16-bit") for c in casts]

@@ -87,10 +87,9 @@ def fitted_table(title: str, headers: Sequence[str], cells: Sequence[Sequence[st
             table.add_row(*row)
         return table
 
-    name_width = widths[at]
-    while name_width > len(name) and natural_width(table_of(name_width)) > width:
-        name_width -= 1
-    return table_of(name_width)
+    # the name column's width adds one for one to the table's: one measurement says how much to give up
+    excess = natural_width(table_of(widths[at])) - width
+    return table_of(max(len(name), widths[at] - max(0, excess)))
 
 
 def render_fidelity(fidelity, buckets, console: Console) -> None:
@@ -119,9 +118,10 @@ def render_fidelity(fidelity, buckets, console: Console) -> None:
                         style="dim")
         return fid
 
-    per_table = max(1, len(indices))
-    while per_table > 1 and natural_width(table_of(indices[:per_table], True)) > console.width:
-        per_table -= 1
+    # every bucket column is as wide as the next: two measurements give how many fit
+    one = natural_width(table_of(indices[:1], True))
+    step = natural_width(table_of(indices[:2], True)) - one if len(indices) > 1 else 1
+    per_table = max(1, min(len(indices), 1 + (console.width - one) // max(step, 1)))
     for part, start in enumerate(range(0, len(indices), per_table)):
         fid = table_of(indices[start : start + per_table], part == 0)
         console.print(fid)

@@ -278,7 +278,7 @@ def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, ste
 
 
 def _describe(plan: Plan) -> str:
-    configs = {plan.default.label} | {g.compressor.label for g in plan.groups}
+    configs = {c.label for c in plan.configs()}
     return f"{plan.default.label} everywhere" if len(configs) == 1 else "a per-bucket plan"
 
 

@@ -57,14 +57,19 @@ def _digest(module: nn.Module) -> str:
     return h.hexdigest()
 
 
-def _train(case: dict, plan: Plan | None, steps: int) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
+def _net(case: dict) -> Net:
+    """The case's model, the same weights every time (seeded), frozen and cast as the case says."""
     torch.manual_seed(0)
     net = Net(case.get("batchnorm", False), case.get("unused", False), case.get("sometimes", False))
     if case.get("frozen"):
         net.l1.requires_grad_(False)
+    return net.to(case.get("dtype", torch.float32))
+
+
+def _train(case: dict, plan: Plan | None, steps: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
     dtype = case.get("dtype", torch.float32)
-    net = net.to(dtype)
+    net = _net(case)
     ddp = DDP(net, **case.get("ddp", {}))
     hook = advisor.install(ddp, plan) if plan is not None else None
     params = [p for p in ddp.parameters() if p.requires_grad]
@@ -103,11 +108,7 @@ def _train(case: dict, plan: Plan | None, steps: int) -> dict:
 
 
 def _mixed_plan(case: dict) -> Plan:
-    torch.manual_seed(0)
-    net = Net(case.get("batchnorm", False), case.get("unused", False), case.get("sometimes", False))
-    if case.get("frozen"):
-        net.l1.requires_grad_(False)
-    names = [n for n, p in net.named_parameters() if p.requires_grad]
+    names = [n for n, p in _net(case).named_parameters() if p.requires_grad]
     return Plan.from_assignments({n: FAMILIES[i % len(FAMILIES)] for i, n in enumerate(names)}, warmup_steps=1)
 
 
@@ -136,12 +137,7 @@ def autotune_matrix(rank: int, world: int, cases: dict, steps: int = 3) -> dict:
     for name, case in cases.items():
         t0 = time.perf_counter()
         try:
-            torch.manual_seed(0)
-            net = Net(case.get("batchnorm", False), case.get("unused", False), case.get("sometimes", False))
-            if case.get("frozen"):
-                net.l1.requires_grad_(False)
-            net = net.to(case.get("dtype", torch.float32))
-            ddp = DDP(net, **case.get("ddp", {}))
+            ddp = DDP(_net(case), **case.get("ddp", {}))
             opt = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
             batches = _batches(rank, 4, case.get("dtype", torch.float32))
 

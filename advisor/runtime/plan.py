@@ -101,6 +101,10 @@ class Plan(JsonDocument):
                 runs.append(([name], [tuple(shape)], config))
         return runs
 
+    def configs(self) -> list[CompressorConfig]:
+        """Every config the plan uses: the default, then each group's."""
+        return [self.default, *(g.compressor for g in self.groups)]
+
     def named_parameters(self) -> set[str]:
         return set(self._by_name)
 
