@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_PIN)
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[test,lightning,accelerate]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from policies.problem import BASELINES, SIXTEEN_BIT
+from policies.problem import BASELINES, DEFAULT_REFERENCE, SIXTEEN_BIT
 
 from .compressors import SegmentLayout, parse
 from .compressors.registry import CompressorConfig
@@ -151,7 +151,10 @@ class OnlineTuner:
             time_budget_s=float(trial_s), **dict(trial_options or {}))
         #: the accuracy trial's report, where the gate ran (``loss_fn`` and ``batches`` given)
         self.accuracy = None
-        self.candidates = [parse(c).label for c in (candidates or DEFAULT_CANDIDATES)]
+        self.candidates = list(dict.fromkeys(parse(c).label for c in (candidates or DEFAULT_CANDIDATES)))
+        if budget is None and parse(DEFAULT_REFERENCE).label not in self.candidates:
+            # without a budget the reference's error sets it, as in autotune: it must be measured too
+            self.candidates.append(parse(DEFAULT_REFERENCE).label)
         self.ddp, self.optimizer, self.group = ddp, optimizer, group
         self.observe_steps, self.trial_steps, self.top, self.trials = observe_steps, trial_steps, top, trials
         self.watch_every, self.backoff, self.budget = watch_every, backoff, budget
@@ -194,6 +197,9 @@ class OnlineTuner:
         self._grad_handles: list = []
         self._optimizer_times: list[float] = []
         self._opt_t0 = 0.0
+        self._in_step = False      # between the optimizer's step pre- and post-hook
+        self._closure_step = False  # this step's forward ran inside optimizer.step(closure)
+        self._update_marked = False
         if self.phase == OBSERVE:
             self._start_observing()
         else:
@@ -212,10 +218,24 @@ class OnlineTuner:
 
     def _optimizer_start(self, *args) -> None:
         self._opt_t0 = time.perf_counter()
+        self._in_step, self._closure_step, self._update_marked = True, False, False
 
     def _optimizer_end(self, *args) -> None:
-        if self.phase == OBSERVE:
+        self._in_step = False
+        # a closure step's pre-hook fired before its forward: only a marked update start times the update alone
+        if self.phase == OBSERVE and (not self._closure_step or self._update_marked):
             self._optimizer_times.append(time.perf_counter() - self._opt_t0)
+
+    def update_starts(self) -> None:
+        """Mark the start of the optimizer's update, for loops that call ``optimizer.step(closure)``.
+
+        Lightning (automatic optimization) runs the forward and backward inside the closure, so
+        the step's pre-hook fires before them; call this right before the update (the Lightning
+        callback does, from ``on_before_optimizer_step``) so the update is timed alone.  Without
+        it such steps leave the update's time out of the profile.
+        """
+        if self._in_step:
+            self._opt_t0, self._update_marked = time.perf_counter(), True
 
     @property
     def plan(self) -> Plan:
@@ -277,6 +297,8 @@ class OnlineTuner:
         if not (torch.is_grad_enabled() and module.training):
             return  # evaluation passes are not training steps
         now = time.perf_counter()
+        if self._in_step:
+            self._closure_step = True
         if self._ready:
             self._ready_runs.append(dict(self._ready))
             self._ready.clear()

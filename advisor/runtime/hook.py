@@ -200,6 +200,32 @@ class CompressionHook:
             for key, per_name in state["compressor_state"].items()
         }
 
+    def gathered_state_dict(self) -> dict[str, Any]:
+        """The plan and every rank's :meth:`state_dict`; collective, so every rank calls it.
+
+        Residuals are rank-local, but Lightning's and Accelerate's checkpoints keep rank 0's
+        objects only; this gathers them all, so each rank can take its own back.
+        """
+        mine = self.state_dict()
+        states = [mine]
+        world = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        if world > 1:
+            states = [None] * world
+            dist.all_gather_object(states, mine, group=self.group)
+        return {"version": STATE_VERSION, "plan": self.plan.to_dict(), "ranks": states}
+
+    def load_gathered_state_dict(self, gathered: Mapping[str, Any]) -> bool:
+        """Load this rank's part of :meth:`gathered_state_dict`; False (nothing loaded) where the
+        world size changed since it was saved: the residuals then start from zero."""
+        if not isinstance(gathered, Mapping) or gathered.get("version") != STATE_VERSION or "ranks" not in gathered:
+            raise ValueError("not a gathered hook state (expected the dict of CompressionHook.gathered_state_dict)")
+        states = gathered["ranks"]
+        world = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        if len(states) != world:
+            return False
+        self.load_state_dict(states[dist.get_rank(self.group) if world > 1 else 0])
+        return True
+
     def residual_norm(self) -> float:
         return self._residuals.norm()
 

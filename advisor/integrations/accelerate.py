@@ -1,0 +1,119 @@
+"""The compression advisor after Hugging Face Accelerate's ``prepare``.
+
+::
+
+    from advisor.integrations import accelerate as compression
+
+    accelerator = Accelerator()
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    hook = compression.install(accelerator, model, "plan.json")            # a saved plan
+    # or result, hook = compression.autotune(accelerator, model, loss_fn, batches, optimizer)
+    # or tuner = compression.wrap(accelerator, model, optimizer)           # tune online
+    for batch in loader:                                                   # the loop, unchanged
+        ...
+
+Accelerate's own ``DistributedDataParallelKwargs(comm_hook=...)`` takes only PyTorch's built-in
+hooks, so the advisor registers its hook on the prepared DDP model, before the first backward.
+Each call registers the hook with ``accelerator.register_for_checkpointing``, so
+``accelerator.save_state`` / ``load_state`` carry its residuals (load after the same plan is
+installed).  The optimizer may be the ``AcceleratedOptimizer`` that ``prepare`` returned; the
+advisor works on the torch optimizer inside it.  Launch with ``accelerate launch
+--num_processes N`` (``--multi_gpu`` and ``Accelerator(cpu=True)`` give N CPU processes on gloo).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch.nn.parallel import DistributedDataParallel
+
+try:
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+except ImportError as exc:  # pragma: no cover - depends on the installed extras
+    raise ImportError(
+        "advisor.integrations.accelerate needs Accelerate: pip install 'compression-advisor[accelerate]'"
+    ) from exc
+
+import advisor
+from advisor.runtime import CompressionHook, Plan
+
+#: Accelerate's data-parallel set-ups whose prepared model is a DistributedDataParallel
+DATA_PARALLEL = tuple(t for t in DistributedType if t.name.startswith("MULTI_"))
+
+
+def prepared_ddp(accelerator: Accelerator, model) -> DistributedDataParallel:
+    """The DDP model ``accelerator.prepare`` made, or an error that says why there is none."""
+    if not isinstance(accelerator, Accelerator):
+        raise TypeError(f"expected the Accelerator that prepared the model, got {type(accelerator).__name__}")
+    kind = accelerator.distributed_type
+    if kind not in DATA_PARALLEL:
+        allowed = ", ".join(t.value for t in DATA_PARALLEL)
+        raise ValueError(
+            f"the accelerator runs {kind.value}; gradient compression needs DistributedDataParallel, which "
+            f"Accelerate uses for {allowed}. Launch several processes (accelerate launch --num_processes N) "
+            "without DeepSpeed or FSDP")
+    if not isinstance(model, DistributedDataParallel):
+        raise ValueError(f"got a {type(model).__name__}; pass the model that accelerator.prepare returned (a "
+                         "DistributedDataParallel), before any training step")
+    return model
+
+
+def torch_optimizer(optimizer):
+    """The torch optimizer inside Accelerate's ``AcceleratedOptimizer`` (or ``optimizer`` itself)."""
+    return getattr(optimizer, "optimizer", optimizer) if optimizer is not None else None
+
+
+class CheckpointedHook:
+    """What ``register_for_checkpointing`` holds for a hook: every rank's state (Accelerate saves
+    the main process's objects only, and residuals are rank-local)."""
+
+    def __init__(self, hook: CompressionHook) -> None:
+        self.hook = hook
+
+    def state_dict(self):
+        return self.hook.gathered_state_dict()
+
+    def load_state_dict(self, state) -> None:
+        if not self.hook.load_gathered_state_dict(state):
+            warnings.warn(f"the saved hook state is of {len(state['ranks'])} processes, not of this run's; the "
+                          "residuals start from zero", stacklevel=2)
+
+
+def install(accelerator: Accelerator, model, plan: Plan | Mapping[str, Any] | str) -> CompressionHook:
+    """Install a saved plan on the prepared model; every process calls it.
+
+    Raises:
+        ValueError: no DDP model (the message names Accelerate's set-up), or an invalid plan
+            (on every process, before the first step).
+    """
+    hook = advisor.install(prepared_ddp(accelerator, model), plan)
+    accelerator.register_for_checkpointing(CheckpointedHook(hook))
+    return hook
+
+
+def autotune(accelerator: Accelerator, model, loss_fn, batches: Sequence[Any], optimizer=None, **options: Any):
+    """:func:`advisor.autotune` on the prepared model; returns ``(result, hook)``.
+
+    ``loss_fn(model, batch) -> loss`` and ``batches`` as for :func:`advisor.autotune` (batches on
+    the accelerator's device); ``options`` are its keyword arguments.  ``hook`` is None where
+    the advice is native fp32.
+    """
+    result = advisor.autotune(prepared_ddp(accelerator, model), loss_fn, batches, torch_optimizer(optimizer),
+                              **options)
+    hook = result.hook
+    if hook is not None:
+        accelerator.register_for_checkpointing(CheckpointedHook(hook))
+    return result, hook
+
+
+def wrap(accelerator: Accelerator, model, optimizer=None, **options: Any):
+    """:func:`advisor.wrap` on the prepared model; returns the online tuner.
+
+    Call ``tuner.record_loss(loss)`` once a step for the loss watch, as with ``advisor.wrap``.
+    """
+    tuner = advisor.wrap(prepared_ddp(accelerator, model), torch_optimizer(optimizer), **options)
+    accelerator.register_for_checkpointing(CheckpointedHook(tuner.hook))
+    return tuner
