@@ -1,5 +1,6 @@
 """The examples run as documented."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -36,3 +37,38 @@ def test_torchrun_script_tunes_online_with_wrap():
                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "advisor, step" in out.stdout and "decided" in out.stdout
+
+
+def _plan_file(tmp_path) -> str:
+    from advisor.runtime import Plan
+
+    path = tmp_path / "plan.json"
+    path.write_text(__import__("json").dumps(Plan.uniform("fp16").to_dict()))
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
+                    reason="Lightning is not installed (pip install 'compression-advisor[lightning]')")
+def test_the_lightning_example_installs_a_saved_plan(tmp_path):
+    out = subprocess.run([sys.executable, "examples/train_lightning.py", "--plan", _plan_file(tmp_path),
+                          "--steps", "8"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "plan in use: fp16" in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
+                    reason="Accelerate is not installed (pip install 'compression-advisor[accelerate]')")
+def test_the_accelerate_example_installs_a_saved_plan(tmp_path):
+    from advisor.launch import free_port
+
+    out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                          "--main_process_port", str(free_port()), "examples/train_accelerate.py",
+                          "--plan", _plan_file(tmp_path), "--steps", "8"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "plan in use: fp16" in out.stdout and "step 0: loss" in out.stdout
