@@ -46,6 +46,7 @@ watches the given plan.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import statistics
@@ -286,6 +287,9 @@ class OnlineTuner:
             self.hook.observers.remove(self._observer)
         self._observer = None
 
+    # The model's forward may be compiled (torch.compile(ddp)): dynamo must call these hooks, not
+    # trace them, since they time, profile and run collectives.
+    @torch.compiler.disable
     def _on_forward_end(self, module, args, output) -> None:
         if torch.is_grad_enabled() and module.training:
             self._forward_end = time.perf_counter()
@@ -293,23 +297,32 @@ class OnlineTuner:
                 self._forward.append(self._forward_end - self._starts[-1])
 
     # --- the driver: every training forward ----------------------------------------------
+    @torch.compiler.disable
     def _on_forward_start(self, module, args) -> None:
         if not (torch.is_grad_enabled() and module.training):
             return  # evaluation passes are not training steps
+        if self.ddp._join_config.enable:  # set by ddp.join(), DDP's Joinable protocol
+            raise RuntimeError(
+                "wrap cannot tune under ddp.join() (uneven inputs): its decisions are collectives that every rank "
+                "must reach at the same step, and a rank that joined early makes no more steps. Tune before the "
+                "loop with advisor.autotune, or install a plan (advisor.install): both work under join")
         now = time.perf_counter()
         if self._in_step:
             self._closure_step = True
         if self._ready:
             self._ready_runs.append(dict(self._ready))
             self._ready.clear()
-        if self.phase == OBSERVE:
-            self._starts.append(now)
-            if self.step == self.observe_steps:
-                self._tune()
-        elif self.phase == TRIAL:
-            self._trial_step(now)
-        elif self.phase == WATCH:
-            self._watch_step()
+        # the forward may run under the loop's autocast; the tuner's own work (profiling, fidelity
+        # replay, gains) is measured in the gradients' dtype, as the hook exchanges them
+        with _no_autocast():
+            if self.phase == OBSERVE:
+                self._starts.append(now)
+                if self.step == self.observe_steps:
+                    self._tune()
+            elif self.phase == TRIAL:
+                self._trial_step(now)
+            elif self.phase == WATCH:
+                self._watch_step()
         self.step += 1
 
     # --- phase 2: profile and search -----------------------------------------------------
@@ -640,6 +653,15 @@ class OnlineTuner:
         options = [parse(c) for c in self.candidates]
         more = [c for c in options if wire(c) > mine]
         return min(more, key=wire) if more else parse("none")
+
+
+def _no_autocast():
+    """Autocast off on every device type that has it on (the tuner runs inside the user's forward)."""
+    stack = contextlib.ExitStack()
+    for device in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device):
+            stack.enter_context(torch.autocast(device, enabled=False))
+    return stack
 
 
 def wrap(ddp_model: DistributedDataParallel, optimizer=None, **kwargs) -> OnlineTuner:

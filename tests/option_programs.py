@@ -63,21 +63,27 @@ def _net(case: dict) -> Net:
     net = Net(case.get("batchnorm", False), case.get("unused", False), case.get("sometimes", False))
     if case.get("frozen"):
         net.l1.requires_grad_(False)
-    return net.to(case.get("dtype", torch.float32))
+    net = net.to(case.get("dtype", torch.float32))
+    if case.get("compile"):
+        # aot_eager traces with dynamo and AOTAutograd, where DDP's graph splitting at bucket
+        # boundaries happens, without inductor's C++ build (20 s a model on this machine)
+        return torch.compile(net, backend=case["compile"])
+    return net
 
 
-def _train(case: dict, plan: Plan | None, steps: int) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dtype = case.get("dtype", torch.float32)
-    net = _net(case)
-    ddp = DDP(net, **case.get("ddp", {}))
-    hook = advisor.install(ddp, plan) if plan is not None else None
-    params = [p for p in ddp.parameters() if p.requires_grad]
+def _optimizer(case: dict, params: list) -> torch.optim.Optimizer:
     if case.get("groups"):
-        opt = torch.optim.SGD([{"params": params[:2], "lr": 0.05}, {"params": params[2:], "lr": 0.1}], momentum=0.9)
-    else:
-        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    batches = _batches(rank, steps - (1 if case.get("uneven") and rank == 1 else 0), dtype)
+        return torch.optim.SGD([{"params": params[:2], "lr": 0.05}, {"params": params[2:], "lr": 0.1}], momentum=0.9)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _loop(case: dict, ddp: DDP, opt, steps: int, after_step=None) -> list[float]:
+    """The case's training loop: ``steps`` steps (rank r makes r fewer for uneven inputs)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # PyTorch's recommended order compiles the DDP model (dynamo then splits graphs at bucket boundaries)
+    model = torch.compile(ddp, backend=case["compile_ddp"]) if case.get("compile_ddp") else ddp
+    params = [p for p in ddp.parameters() if p.requires_grad]
+    batches = _batches(rank, steps - (rank if case.get("uneven") else 0), case.get("dtype", torch.float32))
     accumulate = 2 if case.get("no_sync") else 1
     losses = []
     join = ddp.join() if case.get("uneven") else contextlib.nullcontext()
@@ -88,23 +94,61 @@ def _train(case: dict, plan: Plan | None, steps: int) -> dict:
             for micro in range(accumulate):
                 sync = ddp.no_sync() if micro < accumulate - 1 else contextlib.nullcontext()
                 with sync, autocast:
-                    out = ddp(x, use_branch=i % 2 == 0) if case.get("sometimes") else ddp(x)
+                    out = model(x, use_branch=i % 2 == 0) if case.get("sometimes") else model(x)
                     loss = nn.functional.cross_entropy(out.float(), y)
                 loss.backward()
             if case.get("clip"):
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
+            if after_step is not None:
+                after_step(loss)
             if case.get("log_loss"):
                 logged = loss.detach().clone()
                 dist.all_reduce(logged)  # the user's own collective between steps
                 losses.append(float(logged) / world)
             else:
                 losses.append(float(loss.detach()))
-    digests: list = [None] * world
+    return losses
+
+
+def _ranks_agree(ddp: DDP) -> tuple[str, bool]:
+    digests: list = [None] * dist.get_world_size()
     dist.all_gather_object(digests, _digest(ddp.module))
+    return digests[dist.get_rank()], len(set(digests)) == 1
+
+
+def _train(case: dict, plan: Plan | None, steps: int) -> dict:
+    ddp = DDP(_net(case), **case.get("ddp", {}))
+    hook = advisor.install(ddp, plan) if plan is not None else None
+    losses = _loop(case, ddp, _optimizer(case, [p for p in ddp.parameters() if p.requires_grad]), steps)
+    digest, agree = _ranks_agree(ddp)
     if hook is not None:
         hook.close()
-    return {"digest": digests[rank], "ranks_agree": len(set(digests)) == 1, "losses": losses}
+    return {"digest": digest, "ranks_agree": agree, "losses": losses}
+
+
+def wrap_matrix(rank: int, world: int, cases: dict, steps: int = 30) -> dict:
+    """``advisor.wrap`` inside each case's own loop, twice: tuning (quick settings; it must decide)
+    and watching the mixed plan (gains and loss every 5 steps; backing off switches plans)."""
+    results = {}
+    for name, case in cases.items():
+        for mode, options, count in (
+                ("tune", {"candidates": ["none", "fp16", "powersgd(rank=2)", "topk(ratio=0.1)"], "observe_steps": 3,
+                          "trial_steps": 2, "top": 1, "trials": 60, "budget": 10.0}, steps),
+                ("watch", {"plan": _mixed_plan(case), "trend_steps": 3, "watch_every": 5}, 16)):
+            try:
+                ddp = DDP(_net(case), **case.get("ddp", {}))
+                opt = _optimizer(case, [p for p in ddp.parameters() if p.requires_grad])
+                tuner = advisor.wrap(ddp, opt, **options)
+                losses = _loop(case, ddp, opt, count, after_step=tuner.record_loss)
+                digest, agree = _ranks_agree(ddp)
+                tuner.close()
+                results[f"{name}, {mode}"] = {"error": None, "ranks_agree": agree, "losses": losses,
+                                              "plan": tuner.plan.digest(),
+                                              "events": [f"{e.what}: {e.detail}" for e in tuner.events]}
+            except Exception as exc:  # reported, so the test names the case and the message
+                results[f"{name}, {mode}"] = {"error": f"{type(exc).__name__}: {exc}"}
+    return results
 
 
 def _mixed_plan(case: dict) -> Plan:
@@ -130,7 +174,7 @@ def option_matrix(rank: int, world: int, cases: dict, steps: int = 6) -> dict:
 
 
 def autotune_matrix(rank: int, world: int, cases: dict, steps: int = 3) -> dict:
-    """``advisor.autotune`` (quick settings, no accuracy trial) then a few training steps, per case."""
+    """``advisor.autotune`` (quick settings, no accuracy trial), then the case's own loop, per case."""
     import time
 
     results = {}
@@ -138,7 +182,7 @@ def autotune_matrix(rank: int, world: int, cases: dict, steps: int = 3) -> dict:
         t0 = time.perf_counter()
         try:
             ddp = DDP(_net(case), **case.get("ddp", {}))
-            opt = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+            opt = _optimizer(case, [p for p in ddp.parameters() if p.requires_grad])
             batches = _batches(rank, 4, case.get("dtype", torch.float32))
 
             def loss_fn(model, batch):
@@ -149,18 +193,11 @@ def autotune_matrix(rank: int, world: int, cases: dict, steps: int = 3) -> dict:
                                                                             "topk(ratio=0.1)"],
                                       budget=10.0, accuracy_trial=False, trials=60, top=1, rounds=1, steps=2,
                                       warmup_steps=0)
-            losses = []
-            for x, y in batches[:steps]:
-                opt.zero_grad()
-                loss = loss_fn(ddp, (x, y))
-                loss.backward()
-                opt.step()
-                losses.append(float(loss.detach()))
-            digests: list = [None] * world
-            dist.all_gather_object(digests, _digest(ddp.module))
+            losses = _loop(case, ddp, opt, steps)
+            _, agree = _ranks_agree(ddp)
             if result.hook is not None:
                 result.hook.close()
-            results[name] = {"error": None, "advice": result.recommendation, "ranks_agree": len(set(digests)) == 1,
+            results[name] = {"error": None, "advice": result.recommendation, "ranks_agree": agree,
                              "losses": losses, "seconds": time.perf_counter() - t0}
         except Exception as exc:
             import traceback

@@ -26,6 +26,8 @@ CASES = {
     "frozen parameters": {"frozen": True},
     "parameter groups and gradient clipping": {"groups": True, "clip": True},
     "uneven inputs under Join": {"uneven": True},
+    "torch.compile(model) inside DDP": {"compile": "aot_eager"},
+    "torch.compile(ddp_model)": {"compile_ddp": "aot_eager"},
 }
 
 
@@ -53,7 +55,7 @@ def test_the_hook_trains_like_ddp_under(matrix, case):
 
 AUTOTUNE_CASES = {name: CASES[name] for name in (
     "find_unused_parameters, a module never used", "find_unused_parameters, a branch used every other step",
-    "static_graph", "bf16 weights")}
+    "static_graph", "bf16 weights", "fp16 weights", "uneven inputs under Join", "torch.compile(ddp_model)")}
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +73,59 @@ def test_autotune_profiles_tunes_and_installs_under(autotuned, case):
         assert r["ranks_agree"], "ranks ended with different parameters"
         assert all(math.isfinite(v) for v in r["losses"]), r["losses"]
     assert autotuned[0][case]["advice"] == autotuned[1][case]["advice"]
+
+
+WRAP_CASES = {name: case for name, case in CASES.items() if not case.get("uneven")}
+
+
+@pytest.fixture(scope="module")
+def wrapped():
+    from option_programs import wrap_matrix
+
+    return launch_local(wrap_matrix, 2, (WRAP_CASES,), timeout=600)
+
+
+@pytest.mark.parametrize("case", list(WRAP_CASES))
+def test_wrap_tunes_inside_the_loop_and_watches_a_plan_under(wrapped, case):
+    for mode in ("tune", "watch"):
+        runs = [results[f"{case}, {mode}"] for results in wrapped]
+        for rank, r in enumerate(runs):
+            assert r["error"] is None, f"{mode}, rank {rank}: {r['error']}"
+            assert r["ranks_agree"], f"{mode}: ranks ended with different parameters"
+            assert all(math.isfinite(v) for v in r["losses"]), r["losses"]
+        assert runs[0]["events"] == runs[1]["events"] and runs[0]["plan"] == runs[1]["plan"]
+    assert any(e.startswith("decided") for e in wrapped[0][f"{case}, tune"]["events"])
+
+
+def test_wrap_refuses_uneven_inputs_under_join_on_every_rank_and_names_what_works():
+    from option_programs import wrap_matrix
+
+    for results in launch_local(wrap_matrix, 2, ({"uneven": CASES["uneven inputs under Join"]},), timeout=120):
+        for mode in ("tune", "watch"):
+            message = results[f"uneven, {mode}"]["error"]
+            assert "wrap cannot tune under ddp.join()" in message and "advisor.autotune" in message, message
+
+
+#: cases whose logic depends on the number of ranks (who joins early, who used which branch)
+THREE_RANK_CASES = {name: CASES[name] for name in (
+    "find_unused_parameters, a branch used every other step", "find_unused_parameters and the user's all-reduce of the loss",
+    "uneven inputs under Join")}
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    from option_programs import option_matrix
+
+    return launch_local(option_matrix, 3, (THREE_RANK_CASES,), timeout=600)
+
+
+@pytest.mark.parametrize("case", list(THREE_RANK_CASES))
+def test_the_hook_trains_like_ddp_on_three_ranks_under(three_ranks, case):
+    for rank, results in enumerate(three_ranks):
+        r = results[case]
+        assert r["error"] is None, f"rank {rank}: {r['error']}"
+        assert r["none_bitwise"] and r["ranks_agree"]
+        assert abs(r["mixed_losses"][-1] - r["ddp_losses"][-1]) <= 0.25 * abs(r["ddp_losses"][0])
 
 
 def test_sparse_gradients_are_refused_before_the_first_step_on_every_rank_with_the_way_out():
