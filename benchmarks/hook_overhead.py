@@ -3,7 +3,9 @@
 Run:  .venv/bin/python benchmarks/hook_overhead.py [--steps 30] [--rounds 6]
 
 All DDP models live in the same processes and the same process group, and take turns step
-by step (A B C, B C A, ...), so drift on this shared machine hits them alike.
+by step (A B C, B C A, ...), so drift on this shared machine hits them alike.  Each option
+that changes the hook's path (``gradient_as_bucket_view``, ``static_graph``, bf16 weights)
+gets its own plain and hooked pair in the same rotation.
 The model is BACKGROUND.md's 5.3M-parameter MLP (1024-2048-1024-1024-10, batch 64), one
 thread a rank, over loopback.  A training step is zero_grad, forward, backward and an SGD
 step with momentum; the ratio of forward+backward alone (the part the hook touches, timed
@@ -27,22 +29,34 @@ from advisor.launch import launch_local
 from advisor.runtime import Plan, install
 
 
-def mlp() -> nn.Module:
+#: the options that change the hook's path, each measured plain and hooked: (DDP kwargs, weight dtype)
+OPTIONS = {
+    "default": ({}, torch.float32),
+    "gradient_as_bucket_view": ({"gradient_as_bucket_view": True}, torch.float32),
+    "static_graph": ({"static_graph": True}, torch.float32),
+    "bf16 weights": ({}, torch.bfloat16),
+}
+
+
+def mlp(dtype=torch.float32) -> nn.Module:
     torch.manual_seed(0)
-    return workloads.mlp().model
+    return workloads.mlp().model.to(dtype)
 
 
-def _rank(rank: int, world_size: int, steps: int, rounds: int, plan_json: str):
+def _rank(rank: int, world_size: int, steps: int, rounds: int, plan_json: str, options: list[str]):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    plain = DDP(mlp())
-    hooked = DDP(mlp())
-    install(hooked, Plan.from_json(plan_json))
-    torch_hook = DDP(mlp())
-    torch_hook.register_comm_hook(None, allreduce_hook)
+    models, dtypes = {}, {}
+    for option in options:
+        kwargs, dtype = OPTIONS[option]
+        models[(option, "plain")] = DDP(mlp(dtype), **kwargs)
+        models[(option, "hooked")] = DDP(mlp(dtype), **kwargs)
+        install(models[(option, "hooked")], Plan.from_json(plan_json))
+        dtypes[option] = dtype
+    models[("default", "torch")] = DDP(mlp())
+    models[("default", "torch")].register_comm_hook(None, allreduce_hook)
     x = torch.randn(64, 1024)
     y = torch.randint(0, 10, (64,))
-    models = {"plain": plain, "hooked": hooked, "torch": torch_hook}
     optimizers = {key: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for key, m in models.items()}
     times = {key: [] for key in models}  # whole training steps
     backward = {key: [] for key in models}  # zero_grad, forward and backward of the same steps
@@ -51,7 +65,7 @@ def _rank(rank: int, world_size: int, steps: int, rounds: int, plan_json: str):
         model, optimizer = models[key], optimizers[key]
         t0 = time.perf_counter()
         model.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(model(x), y).backward()
+        nn.functional.cross_entropy(model(x.to(dtypes[key[0]])).float(), y).backward()
         t1 = time.perf_counter()
         optimizer.step()
         t2 = time.perf_counter()
@@ -67,31 +81,48 @@ def _rank(rank: int, world_size: int, steps: int, rounds: int, plan_json: str):
     keys = list(models)
     for i in range(rounds * steps):
         # one step of each model in turn, the order rotating: drift hits all alike
-        for key in keys[i % 3 :] + keys[: i % 3]:
+        for key in keys[i % len(keys):] + keys[: i % len(keys)]:
             step(key)
-    return {"step": times, "backward": backward}
+    return {"step": {"/".join(k): v for k, v in times.items()}, "backward": {"/".join(k): v for k, v in backward.items()}}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40, help="steps a round")
     parser.add_argument("--rounds", type=int, default=5, help="rounds (steps x rounds timed steps a model)")
+    parser.add_argument("--options", default=",".join(OPTIONS), help=f"subset of {', '.join(OPTIONS)}")
     args = parser.parse_args(argv)
+    options = [o for o in args.options.split(",") if o]
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown or "default" not in options:
+        parser.error(f"--options {unknown or args.options}: allowed {', '.join(OPTIONS)}, 'default' included")
     plan = Plan.uniform("none", warmup_steps=0)
-    results = launch_local(_rank, 2, (args.steps, args.rounds, plan.to_json()), timeout=900)
+    results = launch_local(_rank, 2, (args.steps, args.rounds, plan.to_json(), options), timeout=1800)
+
     def median(part, key):
         return statistics.median(t for r in results for t in r[part][key])
 
-    print(f"2 ranks, gloo, loopback, MLP 5.3M params, batch 64, {args.rounds * args.steps} interleaved steps each, 1 thread a rank")
-    print(f"{'ms (median)':24s} {'training step':>14s} {'forward+backward':>17s}")
-    for key, label in (("plain", "DDP, no hook"), ("hooked", "DDP + plan 'none'"),
-                       ("torch", "DDP + PyTorch's allreduce_hook")):
-        print(f"{label:24s} {median('step', key) * 1e3:14.2f} {median('backward', key) * 1e3:17.2f}")
-    ratio = median("step", "hooked") / median("step", "plain")
+    print(f"2 ranks, gloo, loopback, MLP 5.3M params, batch 64, {args.rounds * args.steps} interleaved steps each "
+          f"of {len(results[0]['step'])} models, 1 thread a rank")
+    print(f"{'ms (median)':40s} {'training step':>14s} {'forward+backward':>17s} {'hooked/plain':>13s}")
+    for option in options:
+        for kind, label in (("plain", "DDP, no hook"), ("hooked", "DDP + plan 'none'"),
+                            ("torch", "DDP + PyTorch's allreduce_hook")):
+            key = f"{option}/{kind}"
+            if key not in results[0]["step"]:
+                continue
+            ratio = median("step", key) / median("step", f"{option}/plain")
+            print(f"{option + ', ' + label:40s} {median('step', key) * 1e3:14.2f} "
+                  f"{median('backward', key) * 1e3:17.2f} {ratio:13.3f}")
+    ratio = median("step", "default/hooked") / median("step", "default/plain")
     print(f"ratio hooked/plain, training step: {ratio:.3f} (target <= 1.03) {'PASS' if ratio <= 1.03 else 'FAIL'}; "
-          f"forward+backward alone: {median('backward', 'hooked') / median('backward', 'plain'):.3f}")
-    print(f"ratio PyTorch allreduce_hook/plain, training step: {median('step', 'torch') / median('step', 'plain'):.3f}; "
-          f"forward+backward alone: {median('backward', 'torch') / median('backward', 'plain'):.3f}")
+          f"forward+backward alone: {median('backward', 'default/hooked') / median('backward', 'default/plain'):.3f}")
+    print(f"ratio PyTorch allreduce_hook/plain, training step: "
+          f"{median('step', 'default/torch') / median('step', 'default/plain'):.3f}; forward+backward alone: "
+          f"{median('backward', 'default/torch') / median('backward', 'default/plain'):.3f}")
+    for option in options[1:]:
+        print(f"ratio hooked/plain with {option}: "
+              f"{median('step', f'{option}/hooked') / median('step', f'{option}/plain'):.3f}")
     return 0
 
 

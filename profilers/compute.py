@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from advisor.runtime.hook import sparse_parameters
+
 from .profile import Bucket, ComputeProfile, ParameterTiming
 from .training_state import StateGuard
 
@@ -46,15 +48,18 @@ def ddp_buckets(ddp: DistributedDataParallel, loss_fn: LossFn, batch: Any) -> li
     backward passes (gradients only, no optimizer step) until it has.
     """
     named = _named_trainable(ddp.module)
+    sparse = set(sparse_parameters(ddp.module))  # buckets of their own, always uncompressed: left out
     for _ in range(4):
         data = ddp._get_ddp_logging_data()
         indices = data.get("rebuilt_per_bucket_param_indices")
         if indices:
             buckets = []
-            for i, group in enumerate(str(indices).split(", ")):
+            for group in str(indices).split(", "):
                 names = [named[int(j)][0] for j in group.split()]
+                if sparse.issuperset(names):
+                    continue
                 numel = sum(named[int(j)][1].numel() for j in group.split())
-                buckets.append(Bucket(index=i, parameters=names, numel=numel))
+                buckets.append(Bucket(index=len(buckets), parameters=names, numel=numel))
             return buckets
         ddp.zero_grad(set_to_none=True)
         loss_fn(ddp, batch).backward()
@@ -63,6 +68,8 @@ def ddp_buckets(ddp: DistributedDataParallel, loss_fn: LossFn, batch: Any) -> li
     cap = int(data.get("bucket_cap_bytes", 25 << 20))
     buckets, current, size = [], [], 0
     for name, p in reversed(named):
+        if name in sparse:
+            continue
         current.append(name)
         size += p.numel() * p.element_size()
         if size >= cap:

@@ -45,15 +45,19 @@ class Net(nn.Module):
         return self.l3(torch.relu(self.l2(h)))
 
 
-def _batches(rank: int, n: int, dtype=torch.float32):
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _batches(rank: int, n: int, dtype=torch.float32, device="cpu"):
     g = torch.Generator().manual_seed(100 + rank)
-    return [(torch.randn(8, 16, generator=g).to(dtype), torch.randint(0, 4, (8,), generator=g)) for _ in range(n)]
+    return [(torch.randn(8, 16, generator=g).to(device, dtype), torch.randint(0, 4, (8,), generator=g).to(device))
+            for _ in range(n)]
 
 
 def _digest(module: nn.Module) -> str:
     h = hashlib.sha256()
     for p in module.parameters():
-        h.update(p.detach().float().contiguous().numpy().tobytes())
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -63,7 +67,9 @@ def _net(case: dict) -> Net:
     net = Net(case.get("batchnorm", False), case.get("unused", False), case.get("sometimes", False))
     if case.get("frozen"):
         net.l1.requires_grad_(False)
-    net = net.to(case.get("dtype", torch.float32))
+    if case.get("sync_batchnorm"):
+        net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
+    net = net.to(case.get("device", "cpu"), case.get("dtype", torch.float32))
     if case.get("compile"):
         # aot_eager traces with dynamo and AOTAutograd, where DDP's graph splitting at bucket
         # boundaries happens, without inductor's C++ build (20 s a model on this machine)
@@ -77,29 +83,44 @@ def _optimizer(case: dict, params: list) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def _loop(case: dict, ddp: DDP, opt, steps: int, after_step=None) -> list[float]:
-    """The case's training loop: ``steps`` steps (rank r makes r fewer for uneven inputs)."""
+def _loop(case: dict, ddp: DDP, opt, steps: int, after_step=None) -> tuple[list[float], int]:
+    """The case's training loop: ``steps`` steps (rank r makes r fewer for uneven inputs).
+
+    Returns the losses and how many steps the GradScaler skipped."""
     rank, world = dist.get_rank(), dist.get_world_size()
     # PyTorch's recommended order compiles the DDP model (dynamo then splits graphs at bucket boundaries)
     model = torch.compile(ddp, backend=case["compile_ddp"]) if case.get("compile_ddp") else ddp
     params = [p for p in ddp.parameters() if p.requires_grad]
-    batches = _batches(rank, steps - (rank if case.get("uneven") else 0), case.get("dtype", torch.float32))
+    device = case.get("device", "cpu")
+    batches = _batches(rank, steps - (rank if case.get("uneven") else 0), case.get("dtype", torch.float32), device)
     accumulate = 2 if case.get("no_sync") else 1
-    losses = []
+    # fp16 autocast goes with a GradScaler whose first scales overflow: the skipped steps must
+    # leave the hook's residuals and the ranks' weights intact
+    scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=case["scaler"]) if case.get("scaler") else None
+    losses, skipped = [], 0
     join = ddp.join() if case.get("uneven") else contextlib.nullcontext()
     with join:
         for i, (x, y) in enumerate(batches):
             opt.zero_grad()
-            autocast = torch.autocast("cpu", dtype=torch.bfloat16) if case.get("autocast") else contextlib.nullcontext()
+            autocast = (torch.autocast(torch.device(device).type, dtype=AUTOCAST[case["autocast"]])
+                        if case.get("autocast") else contextlib.nullcontext())
             for micro in range(accumulate):
                 sync = ddp.no_sync() if micro < accumulate - 1 else contextlib.nullcontext()
                 with sync, autocast:
                     out = model(x, use_branch=i % 2 == 0) if case.get("sometimes") else model(x)
                     loss = nn.functional.cross_entropy(out.float(), y)
-                loss.backward()
+                (scaler.scale(loss) if scaler else loss).backward()
             if case.get("clip"):
+                if scaler:
+                    scaler.unscale_(opt)
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
+            if scaler:
+                scale = scaler.get_scale()
+                scaler.step(opt)
+                scaler.update()
+                skipped += scaler.get_scale() < scale  # the scaler halves its scale on a skipped step
+            else:
+                opt.step()
             if after_step is not None:
                 after_step(loss)
             if case.get("log_loss"):
@@ -108,7 +129,7 @@ def _loop(case: dict, ddp: DDP, opt, steps: int, after_step=None) -> list[float]
                 losses.append(float(logged) / world)
             else:
                 losses.append(float(loss.detach()))
-    return losses
+    return losses, skipped
 
 
 def _ranks_agree(ddp: DDP) -> tuple[str, bool]:
@@ -120,11 +141,12 @@ def _ranks_agree(ddp: DDP) -> tuple[str, bool]:
 def _train(case: dict, plan: Plan | None, steps: int) -> dict:
     ddp = DDP(_net(case), **case.get("ddp", {}))
     hook = advisor.install(ddp, plan) if plan is not None else None
-    losses = _loop(case, ddp, _optimizer(case, [p for p in ddp.parameters() if p.requires_grad]), steps)
+    losses, skipped = _loop(case, ddp, _optimizer(case, [p for p in ddp.parameters() if p.requires_grad]), steps)
     digest, agree = _ranks_agree(ddp)
+    residual = hook.residual_norm() if hook is not None else 0.0
     if hook is not None:
         hook.close()
-    return {"digest": digest, "ranks_agree": agree, "losses": losses}
+    return {"digest": digest, "ranks_agree": agree, "losses": losses, "skipped": skipped, "residual": residual}
 
 
 def wrap_matrix(rank: int, world: int, cases: dict, steps: int = 30) -> dict:
@@ -140,7 +162,7 @@ def wrap_matrix(rank: int, world: int, cases: dict, steps: int = 30) -> dict:
                 ddp = DDP(_net(case), **case.get("ddp", {}))
                 opt = _optimizer(case, [p for p in ddp.parameters() if p.requires_grad])
                 tuner = advisor.wrap(ddp, opt, **options)
-                losses = _loop(case, ddp, opt, count, after_step=tuner.record_loss)
+                losses, _ = _loop(case, ddp, opt, count, after_step=tuner.record_loss)
                 digest, agree = _ranks_agree(ddp)
                 tuner.close()
                 results[f"{name}, {mode}"] = {"error": None, "ranks_agree": agree, "losses": losses,
@@ -167,7 +189,9 @@ def option_matrix(rank: int, world: int, cases: dict, steps: int = 6) -> dict:
             results[name] = {"none_bitwise": none_run["digest"] == ddp_run["digest"],
                              "ranks_agree": ddp_run["ranks_agree"] and none_run["ranks_agree"]
                              and mixed_run["ranks_agree"],
-                             "ddp_losses": ddp_run["losses"], "mixed_losses": mixed_run["losses"], "error": None}
+                             "ddp_losses": ddp_run["losses"], "mixed_losses": mixed_run["losses"],
+                             "skipped": [ddp_run["skipped"], none_run["skipped"], mixed_run["skipped"]],
+                             "mixed_residual": mixed_run["residual"], "error": None}
         except Exception as exc:  # reported, so the test names the case and the message
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
     return results
@@ -183,7 +207,7 @@ def autotune_matrix(rank: int, world: int, cases: dict, steps: int = 3) -> dict:
         try:
             ddp = DDP(_net(case), **case.get("ddp", {}))
             opt = _optimizer(case, [p for p in ddp.parameters() if p.requires_grad])
-            batches = _batches(rank, 4, case.get("dtype", torch.float32))
+            batches = _batches(rank, 4, case.get("dtype", torch.float32), case.get("device", "cpu"))
 
             def loss_fn(model, batch):
                 x, y = batch
@@ -193,7 +217,7 @@ def autotune_matrix(rank: int, world: int, cases: dict, steps: int = 3) -> dict:
                                                                             "topk(ratio=0.1)"],
                                       budget=10.0, accuracy_trial=False, trials=60, top=1, rounds=1, steps=2,
                                       warmup_steps=0)
-            losses = _loop(case, ddp, opt, steps)
+            losses, _ = _loop(case, ddp, opt, steps)
             _, agree = _ranks_agree(ddp)
             if result.hook is not None:
                 result.hook.close()
@@ -207,13 +231,60 @@ def autotune_matrix(rank: int, world: int, cases: dict, steps: int = 3) -> dict:
     return results
 
 
-def sparse_refusal(rank: int, world: int) -> str:
-    """install on a model with a sparse embedding: the error each rank raised (before any step)."""
-    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
-    ddp = DDP(model)
-    try:
-        advisor.install(ddp, Plan.uniform("fp16"))
-    except ValueError as exc:
-        nn.functional.cross_entropy(ddp(torch.tensor([[1, 2]])).sum(1), torch.tensor([0])).backward()
-        return str(exc)  # and plain DDP still trains it: nothing was registered
-    return ""
+class SparseNet(nn.Module):
+    """An embedding with sparse gradients (a bucket of its own in DDP) and a dense head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 8, sparse=True)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(tokens).mean(1))
+
+
+def sparse_matrix(rank: int, world: int, steps: int = 6) -> dict:
+    """Plain DDP, plan ``none`` and a lossy plan on a model with a sparse embedding gradient."""
+    g = torch.Generator().manual_seed(200 + rank)
+    batches = [(torch.randint(0, 50, (8, 5), generator=g), torch.randint(0, 4, (8,), generator=g))
+               for _ in range(steps)]
+    runs = {}
+    for name, plan in (("ddp", None), ("none", Plan.uniform("none", warmup_steps=0)),
+                       ("lossy", Plan.uniform("powersgd(rank=2)", warmup_steps=1))):
+        torch.manual_seed(0)
+        ddp = DDP(SparseNet())
+        hook = advisor.install(ddp, plan) if plan is not None else None
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        losses = []
+        for x, y in batches:
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(ddp(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        digest, agree = _ranks_agree(ddp)
+        runs[name] = {"digest": digest, "ranks_agree": agree, "losses": losses,
+                      "wire_bytes": hook._executor.channel.bytes_sent if hook is not None else 0}
+        if hook is not None:
+            hook.close()
+    # autotune and wrap leave the sparse embedding out of the search and tune the dense rest
+    loss_fn = lambda model, batch: nn.functional.cross_entropy(model(batch[0]), batch[1])  # noqa: E731
+    torch.manual_seed(0)
+    ddp = DDP(SparseNet())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    result = advisor.autotune(ddp, loss_fn, batches, opt, candidates=["none", "fp16", "topk(ratio=0.1)"],
+                              budget=10.0, accuracy_trial=False, trials=50, top=1, rounds=1, steps=2)
+    runs["autotune"] = {"advice": result.recommendation,
+                        "searched_numel": sum(b.numel for b in result.buckets)}
+    torch.manual_seed(0)
+    ddp = DDP(SparseNet())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    tuner = advisor.wrap(ddp, opt, candidates=["none", "fp16"], observe_steps=3, trial_steps=2, top=1, trials=50,
+                         budget=10.0)
+    for i in range(24):
+        opt.zero_grad()
+        loss_fn(ddp, batches[i % len(batches)]).backward()
+        opt.step()
+    runs["wrap"] = {"events": [e.what for e in tuner.events], "ranks_agree": _ranks_agree(ddp)[1]}
+    tuner.close()
+    return runs

@@ -21,7 +21,8 @@ CASES = {
     "the user's all-reduce of the loss between steps": {"log_loss": True},
     "bf16 weights": {"dtype": torch.bfloat16},
     "fp16 weights": {"dtype": torch.float16},
-    "bf16 autocast": {"autocast": True},
+    "bf16 autocast": {"autocast": "bf16"},
+    "fp16 autocast with a GradScaler that overflows at first": {"autocast": "fp16", "scaler": 2.0 ** 19, "clip": True},
     "gradient accumulation with no_sync": {"no_sync": True},
     "frozen parameters": {"frozen": True},
     "parameter groups and gradient clipping": {"groups": True, "clip": True},
@@ -51,6 +52,12 @@ def test_the_hook_trains_like_ddp_under(matrix, case):
         assert all(math.isfinite(v) for v in mixed), mixed
         # a lossy plan trains on: its last loss stays near DDP's (these are 6 steps from the same start)
         assert abs(mixed[-1] - ddp[-1]) <= 0.25 * abs(ddp[0]), (ddp, mixed)
+        assert math.isfinite(r["mixed_residual"])
+        if CASES[case].get("scaler"):
+            # the first scale overflows: DDP, plan none and the mixed plan all skip steps, the
+            # mixed plan's residuals are reset there (not poisoned) and it trains on
+            assert r["skipped"][0] >= 1 and r["skipped"][0] == r["skipped"][1], r["skipped"]
+            assert r["skipped"][2] >= 1 and r["mixed_residual"] > 0, (r["skipped"], r["mixed_residual"])
 
 
 AUTOTUNE_CASES = {name: CASES[name] for name in (
@@ -128,8 +135,16 @@ def test_the_hook_trains_like_ddp_on_three_ranks_under(three_ranks, case):
         assert abs(r["mixed_losses"][-1] - r["ddp_losses"][-1]) <= 0.25 * abs(r["ddp_losses"][0])
 
 
-def test_sparse_gradients_are_refused_before_the_first_step_on_every_rank_with_the_way_out():
-    from option_programs import sparse_refusal
+def test_sparse_gradients_cross_uncompressed_like_pytorchs_own_hook_and_the_tuners_tune_the_rest():
+    from option_programs import sparse_matrix
 
-    for message in launch_local(sparse_refusal, 2, timeout=120):
-        assert "['0.weight'] have sparse gradients" in message and "sparse=False" in message, message
+    ranks = launch_local(sparse_matrix, 2, timeout=120)
+    for r in ranks:
+        assert r["none"]["digest"] == r["ddp"]["digest"], "plan none is not bitwise DDP with a sparse embedding"
+        assert r["none"]["ranks_agree"] and r["lossy"]["ranks_agree"]
+        assert all(math.isfinite(v) for v in r["lossy"]["losses"])
+        assert abs(r["lossy"]["losses"][-1] - r["ddp"]["losses"][-1]) <= 0.25 * r["ddp"]["losses"][0]
+        assert r["lossy"]["wire_bytes"] > 0
+        assert r["autotune"]["searched_numel"] == 8 * 4 + 4, "only the dense head is searched"
+        assert "decided" in r["wrap"]["events"] and r["wrap"]["ranks_agree"]
+    assert ranks[0]["autotune"]["advice"] == ranks[1]["autotune"]["advice"]

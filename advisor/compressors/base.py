@@ -61,7 +61,10 @@ class Message:
 
     @property
     def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+        t = self.tensor
+        if t.is_sparse:  # what gloo sends: the indices and the values
+            return t._indices().numel() * t._indices().element_size() + t._values().numel() * t.element_size()
+        return t.numel() * t.element_size()
 
 
 def dtype_name(dtype: torch.dtype) -> str:

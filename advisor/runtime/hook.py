@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ..compressors.base import Compressor, ExchangeContext, SegmentLayout
+from ..compressors.base import Collective, Compressor, ExchangeContext, Message, SegmentLayout
 from ..compressors.registry import CompressorConfig
 from .channel import Job, LocalChannel, OrderedExecutor, ProcessGroupChannel
 from .plan import Plan, as_plan
@@ -100,6 +100,8 @@ class CompressionHook:
 
     def make_job(self, bucket) -> Job:
         buffer = bucket.buffer()
+        if buffer.is_sparse:
+            return self._sparse_job(bucket, buffer)
         fut: torch.futures.Future = torch.futures.Future()
         warming_up = self.step < self.plan.warmup_steps
         exchanges = []
@@ -126,6 +128,15 @@ class CompressionHook:
                 )
             )
         return Job(exchanges, fut, buffer, ends_iteration=bucket.is_last())
+
+    def _sparse_job(self, bucket, grad: torch.Tensor) -> Job:
+        """A sparse gradient (``nn.Embedding(sparse=True)``) crosses uncompressed, as in PyTorch's
+        ``allreduce_hook``: DDP gives it a bucket of its own, and the compressors slice dense
+        buffers.  gloo all-reduces the coalesced indices and values in place."""
+        mean = grad.coalesce()
+        if self.world_size > 1:
+            mean.mul_(1.0 / self.world_size)
+        return Job([_sparse_sum(mean)], torch.futures.Future(), mean, ends_iteration=bucket.is_last())
 
     def _deliver_pending(self, layout: SegmentLayout, grad: torch.Tensor) -> None:
         for name, view in zip(layout.names, layout.views(grad)):
@@ -251,6 +262,10 @@ def compression_hook(state: CompressionHook, bucket):  # no annotations: DDP che
     return job.future
 
 
+def _sparse_sum(grad: torch.Tensor):
+    yield Message(grad, Collective.ALL_REDUCE_SUM, last=True)
+
+
 #: the hooks' own process group per user group (keyed by the group's ranks and backend)
 _TRAFFIC_GROUPS: dict[tuple, Any] = {}
 
@@ -274,8 +289,9 @@ def traffic_group(group=None):
     return made
 
 
-def _sparse_parameters(module: torch.nn.Module) -> list[str]:
-    """Names of parameters whose gradients are sparse (``nn.Embedding(sparse=True)`` and kin)."""
+def sparse_parameters(module: torch.nn.Module) -> list[str]:
+    """Names of parameters whose gradients are sparse (``nn.Embedding(sparse=True)`` and kin): they
+    cross uncompressed, so the profilers and policies leave them out."""
     names = []
     for prefix, sub in module.named_modules():
         if isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.sparse:
@@ -304,12 +320,6 @@ def install(
     names = _trainable_names(ddp_model.module)
     error, digest = None, None
     try:
-        sparse = _sparse_parameters(ddp_model.module)
-        if sparse:
-            raise ValueError(
-                f"parameters {sparse} have sparse gradients (nn.Embedding(sparse=True)), which the compression "
-                "hook cannot slice into segments; build the embedding with sparse=False (its gradient is then "
-                "dense and can be compressed), or train this model without the hook")
         plan = as_plan(plan)
         plan.check_against(names.values())
         digest = plan.digest()
@@ -331,6 +341,9 @@ def install(
             )
     elif error:
         raise ValueError(f"invalid plan: {error}")
+    sparse = sparse_parameters(ddp_model.module)
+    if sparse:
+        log.info("parameters %s have sparse gradients: they cross uncompressed, whatever the plan says", sparse)
     state = CompressionHook(plan, names, group)
     try:
         ddp_model.register_comm_hook(state, compression_hook)
