@@ -191,10 +191,11 @@ def autotune(
     # --- 1. profile -----------------------------------------------------------------
     if profile is None:
         from profilers.cluster import profile_cluster
+        from profilers.network import NETWORK_REUSE_S
 
         profile = profile_cluster(ddp_model, loss_fn, batches, optimizer,
                                   configs=[c for c in labels if c != "none"], group=group, note=where,
-                                  network_budget_s=15.0, progress=say)
+                                  network_budget_s=15.0, network_reuse_s=NETWORK_REUSE_S, progress=say)
     from profilers.profile import ClusterProfile
 
     profile = ClusterProfile.from_dict(_broadcast(profile.to_dict(), group))  # one profile for all ranks

@@ -331,7 +331,7 @@ class OnlineTuner:
         from profilers.compute import copy_rate, ddp_buckets, layer_costs, layer_of, slowest
         from profilers.fidelity import fidelity_of
         from profilers.kernels import profile_kernels
-        from profilers.network import profile_network, reduction_dtypes_of
+        from profilers.network import NETWORK_REUSE_S, profile_network, reduction_dtypes_of
         from profilers.profile import ClusterProfile, ComputeProfile, ParameterTiming
 
         named = [(n, p) for n, p in self.ddp.module.named_parameters() if p.requires_grad]
@@ -352,6 +352,7 @@ class OnlineTuner:
             layer_backward_s=layer_costs(ready, names), buckets=buckets, copy_s_per_byte=merged[3],
         )
         network = profile_network(group=self.group, budget_s=8.0, max_op_s=0.3, repeats=2,
+                                  reuse_within_s=NETWORK_REUSE_S,
                                   reduction_dtypes=reduction_dtypes_of(self.candidates, self.world))
         layouts = [SegmentLayout(tuple(b.parameters), tuple(tuple(shapes[n]) for n in b.parameters)) for b in buckets]
         configs = [c for c in self.candidates if c != "none"]

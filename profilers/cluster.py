@@ -77,6 +77,7 @@ def profile_cluster(
     fidelity: bool = True,
     fidelity_steps: int = 6,
     network_budget_s: float = 25.0,
+    network_reuse_s: float = 0.0,
     group=None,
     note: str = "",
     progress=None,
@@ -95,7 +96,7 @@ def profile_cluster(
     if network:
         say(f"profiling the network: collectives of growing size (up to {network_budget_s:g} s)")
     net = (
-        profile_network(group=group, budget_s=network_budget_s,
+        profile_network(group=group, budget_s=network_budget_s, reuse_within_s=network_reuse_s,
                         reduction_dtypes=reduction_dtypes_of(configs, environment.world_size))
         if network else None
     )

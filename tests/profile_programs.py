@@ -60,3 +60,21 @@ def rank_cores(rank: int, world_size: int):
     import os
 
     return sorted(set().union(*(os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task"))))
+
+
+def network_reuse(rank: int, world_size: int):
+    """A fresh profile, a reused one, then a reuse that rank 1 alone could make (so no rank does)."""
+    import time
+
+    from profilers import network
+
+    kwargs = {"collectives": ("all_reduce",), "max_bytes": 1 << 20, "budget_s": 2.0, "reduction_dtypes": ()}
+    first = profile_network(**kwargs)
+    t0 = time.perf_counter()
+    again = profile_network(**kwargs, reuse_within_s=600.0)
+    reuse_s = time.perf_counter() - t0
+    if rank == 0:
+        network._MEASURED.clear()
+    third = profile_network(**kwargs, reuse_within_s=600.0)
+    return {"same": again.fits == first.fits and again is not first, "reuse_s": reuse_s,
+            "third_measured": third.fits != first.fits or third.elapsed_s != first.elapsed_s}

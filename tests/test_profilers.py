@@ -216,3 +216,11 @@ def test_adam_like_optimizers_prefer_bf16_gradients_and_sgd_fp16():
     assert not scales_per_coordinate(custom)
     custom.state[params[0]]["exp_avg_sq"] = torch.zeros(3)
     assert scales_per_coordinate(custom)
+
+
+def test_a_network_profile_is_reused_only_where_every_rank_still_holds_a_fresh_one():
+    from advisor.launch import launch_local
+
+    for r in launch_local(pp.network_reuse, 2, timeout=120):
+        assert r["same"] and r["reuse_s"] < 0.5, r
+        assert r["third_measured"], "rank 0 had no profile left, so every rank measures again"

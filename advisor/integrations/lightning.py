@@ -45,8 +45,11 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
 
 import advisor
 from advisor.runtime import Plan
+from advisor.runtime.plan import as_plan
 
 TUNE_MODES = (None, "autotune", "wrap")
+#: the wrap options that still apply when a resumed run only watches its checkpoint's plan
+WATCH_OPTIONS = ("watch_every", "backoff", "loss_z", "candidates", "group")
 
 
 def training_step_loss(pl_module, precision_context: Callable[[], Any] | None = None):
@@ -161,12 +164,24 @@ class CompressionCallback(Callback):
         if self.hook is not None:  # a second fit with the same callback: the model is new
             self.hook.close()
             self.hook = None
-        if self._restored is not None:
-            self.hook = advisor.install(ddp, self._restored["plan"])
-            if not self.hook.load_gathered_state_dict(self._restored):
-                warnings.warn(f"the checkpoint holds the hook state of {len(self._restored['ranks'])} ranks, not of "
-                              "this run's; the saved plan is installed with fresh residuals", stacklevel=2)
-            self._restored = None
+        restored, self._restored, self.result, self.tuner = self._restored, None, None, None
+        if restored is not None and self.plan is not None and as_plan(self.plan).digest() != \
+                Plan.from_dict(restored["plan"]).digest():
+            warnings.warn("the checkpoint was trained under another plan than the one given; the given plan is "
+                          "installed and the checkpoint's residuals, which belong to the other, are dropped",
+                          stacklevel=2)
+            restored = None
+        if restored is not None:
+            # a resumed run keeps the plan it was trained with (no second tuning) and each rank's residuals
+            if self.tune == "wrap":
+                self.tuner = advisor.wrap(ddp, _the_optimizer(trainer), plan=Plan.from_dict(restored["plan"]),
+                                          **{k: v for k, v in self.options.items() if k in WATCH_OPTIONS})
+                self.hook = self.tuner.hook
+            else:
+                self.hook = advisor.install(ddp, restored["plan"])
+            if not self.hook.load_gathered_state_dict(restored):
+                warnings.warn(f"the checkpoint holds the hook state of {len(restored['ranks'])} ranks, not of this "
+                              "run's; the saved plan is installed with fresh residuals", stacklevel=2)
         elif self.plan is not None:
             self.hook = advisor.install(ddp, self.plan)
 
