@@ -104,7 +104,8 @@ def check_matrix(device: str) -> bool:
             math.isfinite(v) for r in results for v in r["mixed_losses"])
         ok &= line("PASS" if good else "FAIL", f"matrix, {name}",
                    f"none bitwise DDP {all(r['none_bitwise'] for r in results)}, ranks agree "
-                   f"{all(r['ranks_agree'] for r in results)}, mixed plan's last loss {gap:.1%} of the first from DDP's")
+                   f"{all(r['ranks_agree'] for r in results)}, the mixed plan's last loss within {gap:.1%} (of the first) "
+                   "of DDP's")
     line("INFO", "matrix", f"{len(cases)} cases x 3 runs in {time.perf_counter() - t0:.0f} s")
     return ok
 
@@ -154,7 +155,7 @@ def _autotune_on_device(rank: int, world: int, spec: str, device: str) -> dict:
     import advisor
     from advisor.workloads import build_workload
 
-    workload = build_workload(spec)
+    workload = build_workload(spec if ":" in spec else f"advisor.workloads:{spec}")
     model = workload.model.to(device)
     batches = [_to(b, device) for b in workload.batches]
     ddp = DDP(model)
@@ -176,10 +177,14 @@ def check_autotune(device: str, models: list[str]) -> bool:
     for spec in models:
         try:
             r = launch_local(_autotune_on_device, 2, (spec, device), timeout=600)[0]
-            speed = ", ".join(f"{k} {v:.2f}x" for k, v in r["speedup"].items())
-            ok &= line("PASS", f"autotune {spec}", f"advice {r['advice']}; measured {speed}; {r['seconds']:.0f} s")
+            sp = r["speedup"]
+            speed = (f"vs fp32 {sp.get('measured_vs_fp32', math.nan):.2f}x measured "
+                     f"({sp.get('predicted_vs_fp32', math.nan):.2f}x predicted), vs 16-bit "
+                     f"{sp.get('measured_vs_16bit', math.nan):.2f}x ({sp.get('predicted_vs_16bit', math.nan):.2f}x)")
+            ok &= line("PASS", f"autotune {spec}", f"advice {r['advice']}; {speed}; {r['seconds']:.0f} s")
         except Exception as exc:
-            ok &= line("FAIL", f"autotune {spec}", f"{type(exc).__name__}: {str(exc)[:300]}")
+            last = [ln for ln in str(exc).splitlines() if ln.strip()][-2:]
+            ok &= line("FAIL", f"autotune {spec}", f"{type(exc).__name__}: {' | '.join(last)[:400]}")
     return ok
 
 
