@@ -104,7 +104,7 @@ def main(argv=None) -> int:
 
     print(f"2 ranks, gloo, loopback, MLP 5.3M params, batch 64, {args.rounds * args.steps} interleaved steps each "
           f"of {len(results[0]['step'])} models, 1 thread a rank")
-    print(f"{'ms (median)':40s} {'training step':>14s} {'forward+backward':>17s} {'hooked/plain':>13s}")
+    print(f"{'ms (median)':46s} {'training step':>14s} {'forward+backward':>17s} {'hooked/plain':>13s}")
     for option in options:
         for kind, label in (("plain", "DDP, no hook"), ("hooked", "DDP + plan 'none'"),
                             ("torch", "DDP + PyTorch's allreduce_hook")):
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
             if key not in results[0]["step"]:
                 continue
             ratio = median("step", key) / median("step", f"{option}/plain")
-            print(f"{option + ', ' + label:40s} {median('step', key) * 1e3:14.2f} "
+            print(f"{option + ', ' + label:46s} {median('step', key) * 1e3:14.2f} "
                   f"{median('backward', key) * 1e3:17.2f} {ratio:13.3f}")
     ratio = median("step", "default/hooked") / median("step", "default/plain")
     print(f"ratio hooked/plain, training step: {ratio:.3f} (target <= 1.03) {'PASS' if ratio <= 1.03 else 'FAIL'}; "
