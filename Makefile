@@ -34,6 +34,7 @@ demo: $(STAMP)
 	$(VENV)/bin/advisor demo
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(PYTHON) -m pytest -q
 
 bench: $(STAMP)

@@ -40,7 +40,6 @@ from .schema import check_int
 from .workloads import Evaluator, held_out_loss
 from .workloads import higher_is_better as metric_higher_is_better
 
-
 #: min_steps multiples before a trial whose fp32 progress stays inside its noise stops as uninformative
 UNINFORMATIVE_AFTER = 3
 

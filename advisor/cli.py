@@ -60,9 +60,8 @@ def _profile_here(spec: str, kwargs: dict):
 
     from profilers.cluster import profile_cluster
 
-    from .workloads import build_workload
-
     from .launch import leave_together
+    from .workloads import build_workload
 
     dist.init_process_group("gloo")
     try:
@@ -115,9 +114,9 @@ def profile_cmd(spec, nproc, rate, configs, network, kernels, fidelity, timeout,
             if profile is None:
                 return
         else:
-            from profilers.cluster import profile_model
-
             from rich.console import Console
+
+            from profilers.cluster import profile_model
 
             with Console(stderr=True).status(f"profiling {spec} on {nproc} ranks ..."):
                 profile = profile_model(spec, nproc, rate=rate, timeout=timeout, **kwargs)

@@ -116,7 +116,7 @@ class EmulatedCluster:
     interface = "eth0"  # the host side of each veth, renamed inside its namespace
 
     # --- lifecycle ----------------------------------------------------------------
-    def __enter__(self) -> "EmulatedCluster":
+    def __enter__(self) -> EmulatedCluster:
         reason = unavailable_reason()
         if reason:
             raise RuntimeError(reason)

@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
 log = logging.getLogger("advisor.launch")
 
 

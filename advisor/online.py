@@ -451,9 +451,9 @@ class OnlineTuner:
 
     def _decide(self) -> None:
         from policies.do_no_harm import LiveMeasurement
+        from profilers.compute import slowest
 
         from .autotuning import decide_for_accuracy
-        from profilers.compute import slowest
 
         labels = list(self._trial_times)
         stats = [robust_median(self._trial_times[label]) for label in labels]

@@ -171,7 +171,7 @@ def render_accuracy(report: AccuracyTrialReport, console) -> None:
                   f"length: {report.length_reason}; {report.seconds:.1f} s")
 
 
-def save_measured_vs_predicted_png(result: "AutotuneResult", path) -> None:
+def save_measured_vs_predicted_png(result: AutotuneResult, path) -> None:
     """Bars of each live-measured plan: measured (with its round spread) next to predicted."""
     import matplotlib
 

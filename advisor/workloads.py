@@ -22,7 +22,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-
 Evaluator = Callable[[nn.Module], Mapping[str, float]]
 
 #: metric names read as "higher is better" when a workload does not say (all others: lower)

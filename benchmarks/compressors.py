@@ -9,8 +9,9 @@ input GB/s, and its throughput as a fraction of a plain fp32 copy of the same bu
 memory-bandwidth reference).  Caches are flushed before every timed repetition, of the
 copy and of the codecs alike, so the copy measures memory bandwidth (a 4 MiB bucket
 otherwise copies from L2/L3 at several times DRAM speed); the "hot" columns repeat the
-measurement without flushing.  Targets are judged on the flushed (memory) numbers.  Then PowerSGD against PyTorch's own PowerSGD maths on the
-same matrices, and top-k against ``torch.topk`` on the same tensor.  All in one run, so
+measurement without flushing.  Targets are judged on the flushed (memory) numbers.
+Then PowerSGD against PyTorch's own PowerSGD maths on the same matrices, and top-k
+against ``torch.topk`` on the same tensor.  All in one run, so
 the ratios compare like with like on a noisy machine.
 """
 

@@ -28,7 +28,6 @@ from advisor import workloads
 from advisor.launch import launch_local
 from advisor.runtime import Plan, install
 
-
 #: the options that change the hook's path, each measured plain and hooked: (DDP kwargs, weight dtype)
 OPTIONS = {
     "default": ({}, torch.float32),

@@ -11,7 +11,6 @@ on GPUs).
 import argparse
 
 import torch
-
 from accelerate import Accelerator
 
 from advisor.integrations import accelerate as compression

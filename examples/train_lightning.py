@@ -9,10 +9,9 @@ Lightning's launcher starts the second process itself (strategy="ddp", gloo on C
 
 import argparse
 
+import lightning as L
 import torch
 from torch.utils.data import DataLoader
-
-import lightning as L
 
 from advisor.integrations.lightning import CompressionCallback
 from examples import models

@@ -73,7 +73,7 @@ class ResidualModel:
         self.estimator = estimator
         self.max_factor = max_factor
 
-    def fit(self, features, predicted_s, measured_s) -> "ResidualModel":
+    def fit(self, features, predicted_s, measured_s) -> ResidualModel:
         X, predicted, measured = _check(features, predicted_s, measured_s)
         if len(X) < 3:
             raise ValueError(f"ResidualModel needs at least 3 measurements to fit, got {len(X)}")

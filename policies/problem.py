@@ -66,7 +66,7 @@ class TuningProblem:
         scenario: Scenario | None = None,
         overlap: float = 1.0,
         fidelity_measure: str | None = None,
-    ) -> "TuningProblem":
+    ) -> TuningProblem:
         """Candidates default to the baselines plus every config the profile measured.
 
         Every candidate needs a kernel cost in the profile and, unless it is lossless

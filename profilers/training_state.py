@@ -18,7 +18,7 @@ class StateGuard:
         self.module = module
         self.optimizer = optimizer
 
-    def __enter__(self) -> "StateGuard":
+    def __enter__(self) -> StateGuard:
         self._model = copy.deepcopy(self.module.state_dict())
         self._opt = copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None
         return self

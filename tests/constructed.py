@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from test_perfmodel import linear_knots, network
 
 from advisor.compressors import parse
-
 from profilers.profile import (
     Bucket,
     ClusterProfile,
@@ -18,7 +18,6 @@ from profilers.profile import (
     KernelCost,
     KernelProfile,
 )
-from test_perfmodel import linear_knots, network
 
 MS = 1e-3
 

@@ -4,8 +4,8 @@ import math
 
 import pytest
 import torch
-
 from accuracy_programs import autotune_digits, failing_evaluate, fidelity_against_trial, trial_plans
+
 from advisor.launch import launch_local
 from policies import accuracy_gate as gate
 

@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+from autotune_programs import shadow_buckets, tune_and_train
 
 import advisor
 from advisor.emulated import EmulatedCluster, unavailable_reason
 from advisor.launch import launch_local
 from advisor.report import AutotuneResult
-from autotune_programs import shadow_buckets, tune_and_train
 
 
 def test_autotune_on_loopback_agrees_on_every_rank_and_leaves_the_model_untouched(tmp_path):
@@ -94,6 +94,7 @@ def test_wrap_tunes_inside_the_users_loop_and_every_rank_lands_on_the_same_plan(
 
 def test_a_watched_plan_backs_off_when_the_compression_gain_drops():
     from autotune_programs import online_loop
+
     from advisor.runtime import Plan
 
     plan = Plan.uniform("topk(ratio=0.01)", warmup_steps=0).to_dict()

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from advisor.compressors import REGISTRY, CompressorConfig, SegmentLayout, available, parse
-from advisor.compressors.powersgd import outer_product_, project_
 from advisor.compressors.packing import lane_words, pack_bits, pack_lanes, packed_nbytes, unpack_bits, unpack_lanes
+from advisor.compressors.powersgd import outer_product_, project_
 from advisor.compressors.sparse import stratified_indices, topk_abs_indices
 from advisor.runtime.simulate import SimulatedRanks
 

@@ -1,9 +1,9 @@
 """The hook on real gloo process groups (2 and 3 local ranks)."""
 
 import pytest
+import rank_programs as rp
 import torch
 
-import rank_programs as rp
 from advisor.launch import RankFailed, launch_local
 from advisor.runtime import Plan
 

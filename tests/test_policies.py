@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-
 from constructed import tuning_profile
+
 from policies.base import distinct_best
 from policies.do_no_harm import LiveMeasurement, decide
 from policies.greedy import GreedyPolicy

@@ -3,12 +3,12 @@
 import statistics
 import subprocess
 
+import profile_programs as pp
 import pytest
 
-import profile_programs as pp
-from advisor.emulated import EmulatedCluster, parse_rate, unavailable_reason
 from advisor.compressors import parse
 from advisor.compressors.timing import measure
+from advisor.emulated import EmulatedCluster, parse_rate, unavailable_reason
 from advisor.launch import RankFailed, launch_local
 from profilers.cluster import profile_model
 from profilers.kernels import fit_loglog, square_layout

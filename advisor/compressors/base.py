@@ -116,7 +116,7 @@ class SegmentLayout:
         ]
 
     @classmethod
-    def single(cls, shape: Sequence[int], name: str = "tensor") -> "SegmentLayout":
+    def single(cls, shape: Sequence[int], name: str = "tensor") -> SegmentLayout:
         return cls(names=(name,), shapes=(tuple(int(d) for d in shape),))
 
 

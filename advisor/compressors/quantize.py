@@ -19,7 +19,18 @@ from collections.abc import Iterator
 
 import torch
 
-from .base import Collective, Compressor, Exchange, ExchangeContext, Message, SegmentLayout, WireSpec, chunk_count, dtype_name, stable_hash
+from .base import (
+    Collective,
+    Compressor,
+    Exchange,
+    ExchangeContext,
+    Message,
+    SegmentLayout,
+    WireSpec,
+    chunk_count,
+    dtype_name,
+    stable_hash,
+)
 from .packing import lane_words, lanes_per_word, pack_bits, pack_lanes, packed_nbytes, unpack_bits, unpack_lanes
 
 CHUNK = 1024

@@ -126,7 +126,7 @@ class CompressorConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "CompressorConfig":
+    def from_dict(cls, d: Mapping[str, Any]) -> CompressorConfig:
         if not isinstance(d, Mapping) or "name" not in d:
             raise ValueError(f"a compressor must be an object with a 'name', got {d!r}")
         extra = set(d) - {"name", "params", "error_feedback"}

@@ -52,7 +52,7 @@ class Timeline:
         return to_jsonable(self)
 
     @classmethod
-    def from_dict(cls, data) -> "Timeline":
+    def from_dict(cls, data) -> Timeline:
         if not isinstance(data, dict) or data.get("kind") != "compression-advisor/timeline":
             raise ValueError("not a timeline: 'kind' must be 'compression-advisor/timeline'")
         if data.get("version") != TIMELINE_VERSION:

@@ -67,7 +67,7 @@ class CompressionHook:
         # the worker stops when this state goes (its DDP model collected), at exit, or on close()
         self._release = weakref.finalize(self, self._executor.close)
 
-    def __enter__(self) -> "CompressionHook":
+    def __enter__(self) -> CompressionHook:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -69,12 +69,12 @@ class Plan(JsonDocument):
 
     # --- construction -------------------------------------------------------------
     @classmethod
-    def uniform(cls, compressor: str | CompressorConfig, **kwargs: Any) -> "Plan":
+    def uniform(cls, compressor: str | CompressorConfig, **kwargs: Any) -> Plan:
         """Every parameter uses ``compressor``."""
         return cls(groups=[], default=parse(compressor), **kwargs)
 
     @classmethod
-    def from_assignments(cls, assignments: Mapping[str, str | CompressorConfig], **kwargs: Any) -> "Plan":
+    def from_assignments(cls, assignments: Mapping[str, str | CompressorConfig], **kwargs: Any) -> Plan:
         """From ``{parameter name: compressor}``; names with equal configs share a group."""
         grouped: dict[CompressorConfig, list[str]] = {}
         for name, cfg in assignments.items():
@@ -136,7 +136,7 @@ class Plan(JsonDocument):
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
         if not isinstance(data, Mapping):
             raise ValueError(f"a plan must be a JSON object, got {type(data).__name__}")
         kind = data.get("kind")
@@ -188,7 +188,7 @@ def _describe(names: Any) -> str:
     return names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more"
 
 
-def as_plan(plan: "Plan | Mapping[str, Any] | str | Path") -> "Plan":
+def as_plan(plan: Plan | Mapping[str, Any] | str | Path) -> Plan:
     """A Plan from a Plan, its dict form, or a path to its JSON file."""
     if isinstance(plan, Plan):
         return plan

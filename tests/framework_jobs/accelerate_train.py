@@ -17,10 +17,9 @@ import traceback
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
-
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from torch.utils.data import DataLoader, TensorDataset
 
 from advisor.integrations import accelerate as compression
 from advisor.runtime import Plan

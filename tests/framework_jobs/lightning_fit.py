@@ -14,12 +14,11 @@ import sys
 import traceback
 import warnings
 
+import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
-
-import lightning as L
 
 from advisor.integrations.lightning import CompressionCallback
 from advisor.runtime import Plan
