@@ -5,7 +5,7 @@ iproute2; loopback ranks otherwise, with only the unshaped rate): autotune runs 
 time on the cluster is reported), then these are measured in interleaved rounds on the
 same ranks: the compute-only floor (backward with communication off), DDP fp32, PyTorch's
 ``fp16_compress_hook``, PyTorch's PowerSGD hook with the whole model in one bucket (its
-multi-bucket form aborts on gloo: BACKGROUND.md section 3) at rank 1 and rank 4, and the
+multi-bucket form aborts on gloo) at rank 1 and rank 4, and the
 advisor's installed plan (timed past its warm-up).  With ``matched`` a second copy of the
 model is autotuned under the fidelity budget of PowerSGD rank 1 and measured in the same
 rounds: PyTorch's rank 1 loses more of the gradient than the advisor's default budget

@@ -13,7 +13,7 @@ removed on exit, even when a rank fails.
     with EmulatedCluster(hosts=2, rate="1gbit") as cluster:
         results = cluster.run(my_fn, args=(...,))
 
-Compute is shared: all ranks run on this machine's cores (BACKGROUND.md section 4).  When
+Compute is shared: all ranks run on this machine's cores.  When
 there are at least as many cores as hosts, each host's process (all its threads) is pinned
 to its own cores, as on separate machines: unpinned, the scheduler moves ranks' compute,
 communication and gloo threads across the shared cores, and every synchronisation point

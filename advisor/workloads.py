@@ -135,7 +135,7 @@ def synthetic_batches(shape: tuple[int, ...], classes: int, count: int = 8, seed
 
 
 def mlp() -> Workload:
-    """BACKGROUND.md's 5.3M-parameter MLP (Linear 1024-2048-1024-1024-10), batch 64."""
+    """The 5.3M-parameter MLP the seed study measured (Linear 1024-2048-1024-1024-10), batch 64."""
     model = nn.Sequential(
         nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 1024), nn.ReLU(),
         nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10),

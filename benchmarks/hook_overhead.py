@@ -6,7 +6,7 @@ All DDP models live in the same processes and the same process group, and take t
 by step (A B C, B C A, ...), so drift on this shared machine hits them alike.  Each option
 that changes the hook's path (``gradient_as_bucket_view``, ``static_graph``, bf16 weights)
 gets its own plain and hooked pair in the same rotation.
-The model is BACKGROUND.md's 5.3M-parameter MLP (1024-2048-1024-1024-10, batch 64), one
+The model is the seed study's 5.3M-parameter MLP (1024-2048-1024-1024-10, batch 64), one
 thread a rank, over loopback.  A training step is zero_grad, forward, backward and an SGD
 step with momentum; the ratio of forward+backward alone (the part the hook touches, timed
 within the same steps) is printed too, as the stricter view.
