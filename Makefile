@@ -35,6 +35,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 	$(PYTHON) -m pytest -q
 
 bench: $(STAMP)

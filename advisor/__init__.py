@@ -1,23 +1,26 @@
-"""compression-advisor: should you compress gradients on your cluster, and how?"""
+"""compression-advisor: should you compress gradients on your cluster, and how?
 
-from .compressors import CompressorConfig, available, build, parse
-from .runtime import CompressionHook, Plan, PlanGroup, install
+The package reads top to bottom as the data flows (each layer imports only those below it,
+checked by the import contract in ``pyproject.toml``):
+
+- ``advisor.core``: versioned documents and their JSON, validation helpers;
+- ``advisor.compressors``: the compressors and their registry;
+- ``advisor.runtime``: the plan, the DDP hook, its ordered channel, kernel timing;
+- ``advisor.perfmodel``: the replay of a DDP iteration for any plan;
+- ``profilers`` and ``policies`` (top-level packages): the profiles, and the choice of a plan;
+- ``advisor.report``: text renderers;
+- ``advisor.tuning``: autotune (offline), wrap (online), live measurement, the accuracy trial;
+- ``advisor.testbed``: launcher, emulated cluster, bundled workloads, demo, bench, validate;
+- ``advisor.integrations``: Lightning and Accelerate; ``advisor.cli``: the command.
+"""
+
+from advisor.compressors import CompressorConfig, available, build, parse
+from advisor.runtime import CompressionHook, Plan, PlanGroup, install
+from advisor.testbed.jobs import autotune_model
+from advisor.tuning.autotune import autotune
+from advisor.tuning.online import OnlineTuner, wrap
 
 __version__ = "0.1.0"
-
-# the functions live in modules of other names (advisor.autotuning, advisor.online): a
-# submodule named like the function would replace it as a package attribute once imported
-_LAZY = {"autotune": "autotuning", "autotune_model": "autotuning", "OnlineTuner": "online", "wrap": "online"}
-
-
-def __getattr__(name):
-    # autotune and wrap pull in the policies, which import advisor's submodules: loading
-    # them on first use keeps `import policies...` free of an import cycle
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module 'advisor' has no attribute {name!r}")
 
 __all__ = [
     "CompressionHook",

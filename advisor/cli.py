@@ -9,6 +9,27 @@ import sys
 
 import click
 
+from advisor.compressors import parse
+from advisor.compressors.registry import REGISTRY, available
+from advisor.core.documents import read_json
+from advisor.perfmodel import Scenario
+from advisor.report.text import render_plan, render_profile
+from advisor.runtime import Plan
+from advisor.testbed.bench import MODELS, render_row, run_benchmark
+from advisor.testbed.demo import demo_cluster_description, run_demo
+from advisor.testbed.emulated import parse_rate, unavailable_reason
+from advisor.testbed.jobs import profile_model
+from advisor.testbed.launch import RankFailed, leave_together
+from advisor.testbed.validate import validate_workload
+from advisor.testbed.workloads import build_workload, load_factory
+from advisor.tuning.results import AutotuneResult, bucket_rows, render_buckets
+from advisor.tuning.whatif import budget_evidence, what_if
+from policies.greedy import GreedyPolicy
+from policies.optuna_search import OptunaPolicy
+from policies.problem import TuningProblem
+from profilers.cluster import profile_cluster
+from profilers.profile import ClusterProfile
+
 
 @click.group()
 @click.version_option(package_name="compression-advisor")
@@ -20,7 +41,6 @@ def main() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def compressors_cmd(as_json: bool) -> None:
     """List the compressors and their parameters."""
-    from .compressors.registry import REGISTRY, available
 
     if as_json:
         click.echo(json.dumps(available(), indent=2))
@@ -58,10 +78,6 @@ def _profile_here(spec: str, kwargs: dict):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from profilers.cluster import profile_cluster
-
-    from .launch import leave_together
-    from .workloads import build_workload
 
     dist.init_process_group("gloo")
     try:
@@ -87,12 +103,8 @@ def _profile_here(spec: str, kwargs: dict):
 @click.option("--json", "as_json", is_flag=True, help="Print the profile JSON instead of tables.")
 def profile_cmd(spec, nproc, rate, configs, network, kernels, fidelity, timeout, out_path, as_json) -> None:
     """Profile the cluster for a model: compute, network, compressor costs, fidelity."""
-    from .compressors import parse
-    from .emulated import parse_rate, unavailable_reason
-    from .launch import RankFailed
 
     try:
-        from .workloads import load_factory
 
         load_factory(spec)
         if nproc < 1:
@@ -116,7 +128,6 @@ def profile_cmd(spec, nproc, rate, configs, network, kernels, fidelity, timeout,
         else:
             from rich.console import Console
 
-            from profilers.cluster import profile_model
 
             with Console(stderr=True).status(f"profiling {spec} on {nproc} ranks ..."):
                 profile = profile_model(spec, nproc, rate=rate, timeout=timeout, **kwargs)
@@ -126,7 +137,6 @@ def profile_cmd(spec, nproc, rate, configs, network, kernels, fidelity, timeout,
     if as_json:
         click.echo(profile.to_json())
         return
-    from .reports import render_profile
 
     render_profile(profile)
     click.echo(f"profile written to {out_path}")
@@ -160,12 +170,6 @@ def whatif_cmd(profile_path, world_size, bandwidth, latency, speedup, budget, re
     """Would compression help on another cluster, and which compressor, within the accuracy budget?"""
     import dataclasses
 
-    from profilers.profile import ClusterProfile
-
-    from .emulated import parse_rate
-    from .perfmodel import Scenario
-    from .report import AutotuneResult
-    from .whatif import what_if
 
     try:
         profile = ClusterProfile.load(profile_path)
@@ -213,7 +217,6 @@ def whatif_cmd(profile_path, world_size, bandwidth, latency, speedup, budget, re
 @click.option("--json", "as_json", is_flag=True, help="Print the autotune result as JSON for scripts.")
 def demo_cmd(steps: int, rounds: int, as_json: bool) -> None:
     """Autotune a bundled 5.3M-parameter MLP on a local 2-process cluster and print the advice."""
-    from .demo import demo_cluster_description, run_demo
 
     if steps < 1 or rounds < 1:
         fail(f"--steps={steps} --rounds={rounds}; allowed: integers >= 1")
@@ -247,20 +250,11 @@ def demo_cmd(steps: int, rounds: int, as_json: bool) -> None:
 def tune_cmd(profile_path, candidates, budget, reference, result_path, policy, trials, storage, world_size,
              bandwidth, warmup_steps, out_path, as_json) -> None:
     """Choose a plan from a saved profile (predicted; autotune also proves it live)."""
-    from policies.greedy import GreedyPolicy
-    from policies.optuna_search import OptunaPolicy
-    from policies.problem import TuningProblem
-    from profilers.profile import ClusterProfile
-
-    from .emulated import parse_rate
-    from .perfmodel import Scenario
 
     try:
         profile = ClusterProfile.load(profile_path)
         scenario = Scenario(world_size=world_size,
                             bandwidth_bps=parse_rate(bandwidth) if bandwidth is not None else None)
-        from .report import AutotuneResult
-        from .whatif import budget_evidence
 
         accuracy = AutotuneResult.load(result_path).accuracy if result_path else None
         evidence, budget_source, _ = budget_evidence(budget, reference, accuracy)
@@ -279,7 +273,6 @@ def tune_cmd(profile_path, candidates, budget, reference, result_path, policy, t
             found = chosen.search(problem)
     except ValueError as exc:
         fail(str(exc))
-    from .report import bucket_rows
 
     rows = bucket_rows(problem, found.choices)
     summary = tuning_summary(problem, found, rows)
@@ -323,7 +316,6 @@ def tuning_summary(problem, found, rows) -> dict:
 
 
 def render_tuning(summary: dict, rows, console) -> None:
-    from .report import render_buckets
 
     s16 = summary["speedup_vs_16bit"]
     console.print(f"[bold]Predicted best plan: {summary['description']}[/bold] "
@@ -337,7 +329,6 @@ def render_tuning(summary: dict, rows, console) -> None:
 
 
 def _read_json(path: str) -> dict:
-    from .schema import read_json
 
     data = read_json(path, "plan, profile or result")
     if not isinstance(data, dict):
@@ -353,10 +344,6 @@ def _read_json(path: str) -> dict:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def report_cmd(path, profile_path, png, as_json) -> None:
     """Explain a plan (per bucket, predicted on a profile), a profile, or an autotune result."""
-    from profilers.profile import ClusterProfile
-
-    from .report import AutotuneResult
-    from .runtime import Plan
 
     try:
         data = _read_json(path)
@@ -377,7 +364,6 @@ def report_cmd(path, profile_path, png, as_json) -> None:
             if as_json:
                 click.echo(profile.to_json())
             else:
-                from .reports import render_profile
 
                 render_profile(profile)
             return
@@ -391,7 +377,6 @@ def report_cmd(path, profile_path, png, as_json) -> None:
 
             from rich.console import Console
 
-            from .reports import render_plan
 
             # with --json the tables go nowhere: stdout carries the JSON only
             console = Console(file=io.StringIO()) if as_json else Console()
@@ -423,7 +408,6 @@ def validate_cmd(spec, plan_path, rate, steps, eval_every, sixteen, target, npro
     """Time to accuracy: fp32, 16-bit and the plan from the same start and batches."""
     from rich.console import Console
 
-    from .validate import validate_workload
 
     status = Console(stderr=True)
     try:
@@ -458,9 +442,6 @@ def validate_cmd(spec, plan_path, rate, steps, eval_every, sixteen, target, npro
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def bench_cmd(ranks, rates, models, rounds, steps, measurements, out_path, matched, as_json) -> None:
     """The end-to-end benchmark: the advisor's plan vs DDP fp32 and PyTorch's fp16 and PowerSGD hooks."""
-    from .bench import MODELS, render_row, run_benchmark
-    from .emulated import parse_rate
-    from .workloads import load_factory
 
     try:
         world_sizes = [int(x) for x in ranks.split(",")]

@@ -25,7 +25,7 @@ import torch
 
 from advisor.compressors import SegmentLayout, parse
 from advisor.compressors.sparse import kept_count
-from advisor.compressors.timing import CacheFlusher, measure, time_call
+from advisor.runtime.timing import CacheFlusher, measure, time_call
 
 CONFIGS = [
     "none", "fp16", "bf16",

@@ -38,8 +38,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the option matrix lives with the tests
 
 from advisor.compressors import SegmentLayout, parse  # noqa: E402
-from advisor.compressors.timing import measure, time_call  # noqa: E402
-from advisor.launch import free_port, launch_local  # noqa: E402
+from advisor.runtime.timing import measure, time_call  # noqa: E402
+from advisor.testbed.launch import free_port, launch_local  # noqa: E402
 
 COMPRESSORS = ["fp16", "bf16", "powersgd(rank=1)", "powersgd(rank=4)", "topk(ratio=0.01)", "randomk(ratio=0.01)",
                "qsgd(bits=8)", "qsgd(bits=4)", "intquant(bits=8)", "intquant(bits=8, packed=0)", "signsgd"]
@@ -153,7 +153,7 @@ def _autotune_on_device(rank: int, world: int, spec: str, device: str) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import advisor
-    from advisor.workloads import build_workload
+    from advisor.testbed.workloads import build_workload
 
     workload = build_workload(spec if ":" in spec else f"advisor.workloads:{spec}")
     model = workload.model.to(device)

@@ -25,8 +25,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from advisor import workloads
-from advisor.launch import launch_local
 from advisor.runtime import Plan, install
+from advisor.testbed.launch import launch_local
 
 #: the options that change the hook's path, each measured plain and hooked: (DDP kwargs, weight dtype)
 OPTIONS = {

@@ -14,7 +14,7 @@ import argparse
 import statistics
 
 from advisor.compressors import parse
-from advisor.compressors.timing import measure
+from advisor.runtime.timing import measure
 from profilers.kernels import fit_loglog, square_layout
 from profilers.profile import predict_loglog
 

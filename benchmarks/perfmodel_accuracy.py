@@ -30,10 +30,10 @@ import sys
 import torch
 from scipy.stats import spearmanr
 
-from advisor.emulated import EmulatedCluster, unavailable_reason
 from advisor.perfmodel import PerformanceModel
 from advisor.runtime import Plan, install
-from advisor.workloads import build_workload
+from advisor.testbed.emulated import EmulatedCluster, unavailable_reason
+from advisor.testbed.workloads import build_workload
 
 MODELS = ("advisor.workloads:mlp", "advisor.workloads:small_cnn", "advisor.workloads:tiny_lm")
 RATES = ("100mbit", "1gbit", None)
@@ -55,7 +55,7 @@ def plans_for(profile) -> dict[str, Plan]:
 def _rank(rank: int, world: int, spec: str, steps: int, rounds: int):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from advisor.live import timed_steps
+    from advisor.tuning.live import timed_steps
     from profilers.cluster import profile_cluster
     from profilers.compute import slowest
 

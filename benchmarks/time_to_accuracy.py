@@ -2,7 +2,7 @@
 
 For each task (digits CNN, stdlib-text LM), link rate (emulated; loopback without root)
 and optimizer (SGD with momentum, AdamW), one job autotunes on the cluster and then trains
-fp32, fp16 and the advice from the same start and batches (``advisor.validate``).  Each row
+fp32, fp16 and the advice from the same start and batches (``advisor.testbed.validate``).  Each row
 prints the final held-out metrics, the time each arm needs to reach fp32's final value,
 and the checks of issue 13's targets:
 
@@ -26,9 +26,9 @@ import time
 import torch
 
 from advisor import workloads
-from advisor.emulated import unavailable_reason
 from advisor.runtime import Plan
-from advisor.validate import validate_workload
+from advisor.testbed.emulated import unavailable_reason
+from advisor.testbed.validate import validate_workload
 from policies.problem import BASELINES
 
 STEPS = {"digits": 300, "text": 300}

@@ -3,7 +3,7 @@
     advisor profile --model examples.models:embedding_heavy --nproc 2
     advisor demo   # uses the bundled MLP
 
-Each factory returns an :class:`advisor.workloads.Workload`: the model, its loss, a few
+Each factory returns an :class:`advisor.testbed.workloads.Workload`: the model, its loss, a few
 batches, and (optionally) its optimizer.  Every rank calls the factory with the same seed.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from advisor.workloads import Workload, small_cnn, tiny_lm
+from advisor.testbed.workloads import Workload, small_cnn, tiny_lm
 
 
 def cnn() -> Workload:

@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import advisor
-from advisor.launch import launch_local
+from advisor.testbed.launch import launch_local
 
 
 def train(rank: int, world_size: int):

@@ -1,7 +1,7 @@
 """Do no harm, for accuracy: a plan passes only if its held-out metric keeps up with fp32's.
 
 A short paired trial trains every arm from the same weights, optimizer state and batches
-(see :mod:`advisor.accuracy`).  Two fp32 arms that differ only in batch order measure the
+(see :mod:`advisor.tuning.accuracy`).  Two fp32 arms that differ only in batch order measure the
 noise of the trial itself; a plan is rejected when its metric falls behind the first fp32
 arm by more than that noise.  All values are relative to the fp32 arm and signed so that
 positive means worse, whichever way the metric points.

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from advisor.schema import check_int
+from advisor.core.documents import check_int
 
 from .base import Policy, PolicyResult, distinct_best
 from .problem import TuningProblem

@@ -14,6 +14,7 @@ Measurements to learn from are kept as a typed, versioned :class:`MeasurementSet
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 from sklearn.base import clone
@@ -23,9 +24,12 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
 from advisor.compressors.registry import parse
-from advisor.schema import VersionedDocument
+from advisor.core.documents import VersionedDocument
 
-from .problem import BASELINES, SIXTEEN_BIT, TuningProblem
+from .baselines import BASELINES, SIXTEEN_BIT
+
+if TYPE_CHECKING:
+    from .problem import TuningProblem
 
 FEATURES = (
     "log_predicted_s", "comm_share", "encode_share", "decode_share", "exposed_share",

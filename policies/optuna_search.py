@@ -21,7 +21,7 @@ import time
 import numpy as np
 import optuna
 
-from advisor.schema import check_int
+from advisor.core.documents import check_int
 
 from .base import Policy, PolicyResult, distinct_best
 from .greedy import GreedyPolicy

@@ -26,11 +26,9 @@ from advisor.perfmodel.model import CandidateCosts
 from advisor.runtime.plan import Plan
 from profilers.profile import FIDELITY_MEASURES
 
-#: configs that cost nothing in accuracy: the baselines a plan must beat
-UNCOMPRESSED = ("none",)
-SIXTEEN_BIT = ("fp16", "bf16")
-BASELINES = UNCOMPRESSED + SIXTEEN_BIT
-DEFAULT_REFERENCE = "powersgd(rank=4)"
+from .baselines import BASELINES, DEFAULT_REFERENCE, SIXTEEN_BIT, UNCOMPRESSED  # noqa: F401 (re-exported)
+from .learned import plan_features
+
 #: feasibility slack: errors are measured, their last digits are noise
 _TOLERANCE = 1e-9
 
@@ -129,8 +127,6 @@ class TuningProblem:
         choices = np.atleast_2d(choices)
         seconds = self.model.predict_many(choices, self.costs)
         if self.correction is not None:
-            from .learned import plan_features
-
             seconds = self.correction.predict(plan_features(self, choices), seconds)
         return seconds
 

@@ -1,9 +1,8 @@
-"""Profile a cluster: from inside a running job, or by launching the ranks for a model.
+"""Profile a cluster from inside a running job.
 
 ``profile_cluster`` runs on every rank of an initialised process group (``torchrun`` or
 the advisor's own launcher) and returns the same :class:`ClusterProfile` on every rank.
-``profile_model`` is the CLI-friendly path: it launches the ranks itself, locally or on an
-emulated cluster, for a model named ``package.module:factory``.
+(:func:`advisor.testbed.jobs.profile_model` launches the ranks for a named model first.)
 """
 
 from __future__ import annotations
@@ -87,7 +86,7 @@ def profile_cluster(
     ``progress(message)`` hears each stage as it starts.
     """
     if not dist.is_initialized():
-        raise RuntimeError("profile_cluster needs an initialised process group (torchrun, or advisor.launch)")
+        raise RuntimeError("profile_cluster needs an initialised process group (torchrun, or advisor.testbed.launch)")
     say = progress or (lambda message: None)
     batches = list(batches) if not isinstance(batches, list) else batches
     environment = _environment(ddp, group, note)
@@ -116,37 +115,3 @@ def profile_cluster(
         else None
     )
     return ClusterProfile(environment=environment, compute=compute, network=net, kernels=kern, fidelity=fid)
-
-
-def _profile_rank(rank: int, world_size: int, spec: str, kwargs: dict) -> ClusterProfile | None:
-    from advisor.workloads import build_workload
-
-    workload = build_workload(spec)
-    ddp = DistributedDataParallel(workload.model)
-    profile = profile_cluster(ddp, workload.loss_fn, workload.batches, workload.optimizer(), **kwargs)
-    return profile if rank == 0 else None
-
-
-def profile_model(
-    spec: str,
-    nproc: int = 2,
-    *,
-    rate: str | None = None,
-    timeout: float = 600.0,
-    **kwargs: Any,
-) -> ClusterProfile:
-    """Launch ``nproc`` ranks for the workload ``spec`` and profile them.
-
-    ``rate`` (e.g. ``"1gbit"``) runs them on an emulated cluster with links of that rate
-    (needs root and iproute2); otherwise on local processes over loopback.  A rank that
-    fails or hangs ends the job with an error naming it, after at most ``timeout`` s.
-    """
-    from advisor.workloads import load_factory
-
-    load_factory(spec)  # fail fast, in this process, on a factory that does not import
-    from advisor.emulated import run_ranks
-
-    def args(where: str):
-        return (spec, {"note": where, **kwargs})
-
-    return run_ranks(_profile_rank, nproc, args, rate=rate, timeout=timeout)[0]

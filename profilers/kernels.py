@@ -17,7 +17,7 @@ import torch
 from sklearn.isotonic import IsotonicRegression
 
 from advisor.compressors import SegmentLayout, parse
-from advisor.compressors.timing import measure
+from advisor.runtime.timing import measure
 
 from .profile import KernelCost, KernelProfile
 

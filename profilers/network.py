@@ -30,6 +30,8 @@ from scipy.stats import trim_mean
 from sklearn.linear_model import HuberRegressor
 from sklearn.metrics import r2_score
 
+from advisor.compressors import SegmentLayout, parse
+
 from .profile import CollectiveFit, NetworkProfile
 
 COLLECTIVES = ("all_reduce", "all_gather", "broadcast")
@@ -52,7 +54,6 @@ STEP_ROUND_WORK_S = 0.002
 
 def reduction_dtypes_of(configs: Sequence[str], world_size: int) -> tuple[str, ...]:
     """The non-float32 element types the all-reduces of ``configs`` sum."""
-    from advisor.compressors import SegmentLayout, parse
 
     layout = SegmentLayout(("probe.weight",), ((1024, 1024),))
     found = {

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from advisor.schema import VersionedDocument
+from advisor.core.documents import VersionedDocument
 
 PROFILE_VERSION = 1
 PROFILE_KIND = "compression-advisor/cluster-profile"

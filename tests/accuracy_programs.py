@@ -7,9 +7,9 @@ import math
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from advisor.accuracy import AccuracyTrial
 from advisor.runtime import Plan
-from advisor.workloads import build_workload
+from advisor.testbed.workloads import build_workload
+from advisor.tuning.accuracy import AccuracyTrial
 
 DIGITS = "advisor.workloads:digits"
 

@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import advisor
-from advisor.workloads import Workload, _cross_entropy, synthetic_batches
+from advisor.testbed.workloads import Workload, _cross_entropy, synthetic_batches
 
 
 def medium_mlp() -> Workload:
@@ -109,8 +109,8 @@ def online_loop(rank: int, world_size: int, steps: int, kwargs: dict):
 
 def nan_on_rank_one(rank: int, world_size: int):
     """Rank 1's batches make the loss NaN: every rank must raise, none may hang."""
-    from advisor.live import measure_plans
     from advisor.runtime import Plan
+    from advisor.tuning.live import measure_plans
 
     torch.manual_seed(0)
     workload = medium_mlp()
@@ -147,7 +147,7 @@ def bad_wrap_arguments(rank: int, world_size: int):
 
 def shadow_buckets(rank: int, world_size: int, ddp_kwargs: dict):
     """The bucket layouts of a DDP model and of the shadow copy plans are measured on."""
-    from advisor.live import shadow_of
+    from advisor.tuning.live import shadow_of
     from profilers.compute import ddp_buckets
 
     workload = medium_mlp()
@@ -164,7 +164,7 @@ def loss_watched_loop(rank: int, world_size: int, steps: int, config: str, kwarg
     also tested on a known answer: ``"trend"`` follows 2 - 0.3·ln(step + 1) with noise
     throughout; ``"stall"`` follows it during the fp32 steps, then stays where it was."""
     from advisor.runtime import Plan
-    from advisor.workloads import build_workload
+    from advisor.testbed.workloads import build_workload
 
     workload = build_workload("advisor.workloads:digits")
     ddp = DDP(workload.model)
@@ -188,7 +188,7 @@ def loss_watched_loop(rank: int, world_size: int, steps: int, config: str, kwarg
 
 def gated_online_loop(rank: int, world_size: int, steps: int, kwargs: dict):
     """The digits loop under wrap with the accuracy gate (loss_fn and batches given)."""
-    from advisor.workloads import build_workload
+    from advisor.testbed.workloads import build_workload
 
     workload = build_workload("advisor.workloads:digits")
     ddp = DDP(workload.model)

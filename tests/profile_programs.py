@@ -7,7 +7,7 @@ import os
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from advisor.workloads import Workload, mlp, small_cnn
+from advisor.testbed.workloads import Workload, mlp, small_cnn
 from profilers.compute import profile_compute
 from profilers.network import profile_network, time_reductions, time_step_rounds
 from profilers.profile import CollectiveFit

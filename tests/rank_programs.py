@@ -261,7 +261,7 @@ def hook_lifetime(rank: int, world_size: int):
     import pickle
     import threading
 
-    from advisor.report import AutotuneResult
+    from advisor.tuning.results import AutotuneResult
 
     def workers() -> int:
         return sum(t.name == "advisor-comm" and t.is_alive() for t in threading.enumerate())

@@ -6,7 +6,7 @@ import pytest
 import torch
 from accuracy_programs import autotune_digits, failing_evaluate, fidelity_against_trial, trial_plans
 
-from advisor.launch import launch_local
+from advisor.testbed.launch import launch_local
 from policies import accuracy_gate as gate
 
 
@@ -82,7 +82,7 @@ def test_an_evaluate_that_fails_ends_the_trial_on_every_rank_with_nothing_change
 def test_bad_trial_arguments_name_the_value_and_the_allowed_ones():
     from torch.nn.parallel import DistributedDataParallel
 
-    from advisor.accuracy import AccuracyTrial
+    from advisor.tuning.accuracy import AccuracyTrial
 
     with pytest.raises(TypeError, match="DistributedDataParallel"):
         AccuracyTrial(torch.nn.Linear(2, 2), lambda m, b: m(b).sum(), [torch.ones(2)],

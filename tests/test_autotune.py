@@ -8,9 +8,9 @@ import torch.nn as nn
 from autotune_programs import shadow_buckets, tune_and_train
 
 import advisor
-from advisor.emulated import EmulatedCluster, unavailable_reason
-from advisor.launch import launch_local
-from advisor.report import AutotuneResult
+from advisor.testbed.emulated import EmulatedCluster, unavailable_reason
+from advisor.testbed.launch import launch_local
+from advisor.tuning.results import AutotuneResult
 
 
 def test_autotune_on_loopback_agrees_on_every_rank_and_leaves_the_model_untouched(tmp_path):
@@ -133,8 +133,8 @@ def test_wrap_names_each_bad_argument_and_registers_nothing():
 
 
 def test_advisor_autotune_stays_the_function_after_its_module_is_imported():
-    import advisor.autotuning  # noqa: F401  (what autotune's own callers import)
-    import advisor.online  # noqa: F401
+    import advisor.tuning.autotune  # noqa: F401  (what autotune's own callers import)
+    import advisor.tuning.online  # noqa: F401
 
     for _ in range(2):
         assert callable(advisor.autotune) and advisor.autotune.__name__ == "autotune"

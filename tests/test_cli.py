@@ -33,7 +33,7 @@ def test_config_lists_keep_commas_inside_parentheses():
     "args,reason",
     [
         (["--model", "no_such_pkg:f"], "model factory 'no_such_pkg:f' does not import"),
-        (["--model", "advisor.workloads"], "write it as 'package.module:function'"),
+        (["--model", "advisor.testbed.workloads"], "write it as 'package.module:function'"),
         (["--model", "advisor.workloads:nothing"], "has no callable 'nothing'"),
         (["--model", "advisor.workloads:mlp", "--configs", "zip"], "unknown compressor 'zip'"),
         (["--model", "advisor.workloads:mlp", "--rate", "fast"], "cannot read rate 'fast'"),
@@ -282,7 +282,7 @@ def test_bench_measures_the_advisor_next_to_pytorchs_hooks(runner, tmp_path):
                                   "autotune_programs:medium_mlp", "--rounds", "1", "--steps", "2", "--json"])
     assert result.exit_code == 0, result.output
     row = json.loads(result.output)[0]
-    from advisor.bench import SETTINGS
+    from advisor.testbed.bench import SETTINGS
 
     assert set(row["times_s"]) == set(SETTINGS)
     assert row["result"]["kind"] == "compression-advisor/autotune-result"

@@ -62,7 +62,7 @@ def test_the_lightning_example_installs_a_saved_plan(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
                     reason="Accelerate is not installed (pip install 'compression-advisor[accelerate]')")
 def test_the_accelerate_example_installs_a_saved_plan(tmp_path):
-    from advisor.launch import free_port
+    from advisor.testbed.launch import free_port
 
     out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",

@@ -4,8 +4,8 @@ import pytest
 import rank_programs as rp
 import torch
 
-from advisor.launch import RankFailed, launch_local
 from advisor.runtime import Plan
+from advisor.testbed.launch import RankFailed, launch_local
 
 pytestmark = pytest.mark.slow
 

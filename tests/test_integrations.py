@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from advisor.launch import free_port
+from advisor.testbed.launch import free_port
 
 JOBS = Path(__file__).parent / "framework_jobs"
 ROOT = Path(__file__).parent.parent

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from advisor.launch import launch_local
+from advisor.testbed.launch import launch_local
 
 CASES = {
     "find_unused_parameters, a module never used": {"unused": True, "ddp": {"find_unused_parameters": True}},

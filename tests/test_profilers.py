@@ -7,10 +7,10 @@ import profile_programs as pp
 import pytest
 
 from advisor.compressors import parse
-from advisor.compressors.timing import measure
-from advisor.emulated import EmulatedCluster, parse_rate, unavailable_reason
-from advisor.launch import RankFailed, launch_local
-from profilers.cluster import profile_model
+from advisor.runtime.timing import measure
+from advisor.testbed.emulated import EmulatedCluster, parse_rate, unavailable_reason
+from advisor.testbed.jobs import profile_model
+from advisor.testbed.launch import RankFailed, launch_local
 from profilers.kernels import fit_loglog, square_layout
 from profilers.profile import predict_loglog
 
@@ -42,7 +42,7 @@ def test_fitted_all_reduce_bandwidth_is_within_15_percent_of_the_shaped_rate(hos
 
 
 def test_cores_are_shared_out_evenly_and_only_when_every_rank_gets_one():
-    from advisor.launch import core_shares
+    from advisor.testbed.launch import core_shares
 
     assert core_shares(2, [0, 1, 2, 3, 4]) == [{0, 1}, {2, 3}]
     assert core_shares(3, [5, 7, 9]) == [{5}, {7}, {9}]
@@ -53,7 +53,7 @@ def test_cores_are_shared_out_evenly_and_only_when_every_rank_gets_one():
 def test_each_host_of_the_emulated_cluster_runs_on_its_own_cores():
     import os
 
-    from advisor.launch import core_shares
+    from advisor.testbed.launch import core_shares
 
     if core_shares(2) is None:
         pytest.skip("fewer than 2 cores")
@@ -184,7 +184,7 @@ def test_a_terminated_job_still_removes_its_namespaces():
 
     script = (
         "import time\n"
-        "from advisor.emulated import EmulatedCluster\n"
+        "from advisor.testbed.emulated import EmulatedCluster\n"
         "with EmulatedCluster(hosts=2, rate='1gbit') as c:\n"
         "    print(c.switch, flush=True)\n"
         "    time.sleep(60)\n"
@@ -219,7 +219,7 @@ def test_adam_like_optimizers_prefer_bf16_gradients_and_sgd_fp16():
 
 
 def test_a_network_profile_is_reused_only_where_every_rank_still_holds_a_fresh_one():
-    from advisor.launch import launch_local
+    from advisor.testbed.launch import launch_local
 
     for r in launch_local(pp.network_reuse, 2, timeout=120):
         assert r["same"] and r["reuse_s"] < 0.5, r

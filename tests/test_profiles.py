@@ -3,7 +3,7 @@
 
 import pytest
 
-from advisor.schema import SchemaError, from_jsonable, to_jsonable
+from advisor.core.documents import SchemaError, from_jsonable, to_jsonable
 from profilers.network import fit_collective, reduction_dtypes_of
 from profilers.profile import (
     Bucket,

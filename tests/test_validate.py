@@ -3,7 +3,7 @@
 import pytest
 
 from advisor.runtime import Plan
-from advisor.validate import ValidationReport, validate_workload
+from advisor.testbed.validate import ValidationReport, validate_workload
 
 DIGITS = "advisor.workloads:digits"
 
@@ -33,7 +33,7 @@ def test_a_harmless_plan_reaches_fp32s_accuracy_and_the_report_times_every_arm(t
 
 @pytest.mark.slow
 def test_a_harmful_plan_falls_behind_and_never_reaches_the_target():
-    from advisor.workloads import build_workload
+    from advisor.testbed.workloads import build_workload
 
     names = [n for n, _ in build_workload(DIGITS).model.named_parameters()]
     # per-parameter groups, as autotune writes them: the harmful config on the weights, fp16 on the rest

@@ -1,7 +1,7 @@
 """Gradient compressors behind one interface, and the registry that names them."""
 
-from .base import Collective, Compressor, ExchangeContext, Message, SegmentLayout, WireSpec
-from .registry import REGISTRY, CompressorConfig, available, build, parse
+from advisor.compressors.base import Collective, Compressor, ExchangeContext, Message, SegmentLayout, WireSpec
+from advisor.compressors.registry import REGISTRY, CompressorConfig, available, build, parse
 
 __all__ = [
     "Collective",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Collective, Compressor, Exchange, Message, SegmentLayout, WireSpec, dtype_name, is_finite
+from advisor.compressors.base import Collective, Compressor, Exchange, Message, SegmentLayout, WireSpec, dtype_name, is_finite
 
 
 class NoCompression(Compressor):

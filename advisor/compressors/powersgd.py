@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from .base import Collective, Compressor, Exchange, Message, SegmentLayout, WireSpec, is_finite, stable_hash
+from advisor.compressors.base import Collective, Compressor, Exchange, Message, SegmentLayout, WireSpec, is_finite, stable_hash
 
 
 def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int] | None:

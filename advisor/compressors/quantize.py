@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .base import (
+from advisor.compressors.base import (
     Collective,
     Compressor,
     Exchange,
@@ -31,7 +31,15 @@ from .base import (
     dtype_name,
     stable_hash,
 )
-from .packing import lane_words, lanes_per_word, pack_bits, pack_lanes, packed_nbytes, unpack_bits, unpack_lanes
+from advisor.compressors.packing import (
+    lane_words,
+    lanes_per_word,
+    pack_bits,
+    pack_lanes,
+    packed_nbytes,
+    unpack_bits,
+    unpack_lanes,
+)
 
 CHUNK = 1024
 BLOCK_ROWS = 1024

@@ -7,12 +7,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base import Compressor
-from .casts import Bf16, Fp16, NoCompression
-from .powersgd import PowerSGD
-from .quantize import QSGD, IntQuant
-from .sign import SignSGD
-from .sparse import RandomK, TopK
+from advisor.compressors.base import Compressor
+from advisor.compressors.casts import Bf16, Fp16, NoCompression
+from advisor.compressors.powersgd import PowerSGD
+from advisor.compressors.quantize import QSGD, IntQuant
+from advisor.compressors.sign import SignSGD
+from advisor.compressors.sparse import RandomK, TopK
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Collective, Compressor, Exchange, Message, SegmentLayout, WireSpec
-from .packing import pack_bits, packed_nbytes, unpack_bits
+from advisor.compressors.base import Collective, Compressor, Exchange, Message, SegmentLayout, WireSpec
+from advisor.compressors.packing import pack_bits, packed_nbytes, unpack_bits
 
 
 class SignSGD(Compressor):

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .base import Collective, Compressor, Exchange, Message, SegmentLayout, WireSpec, stable_hash
+from advisor.compressors.base import Collective, Compressor, Exchange, Message, SegmentLayout, WireSpec, stable_hash
 
 # Below this size, or when k is a large fraction, torch.topk alone is the fastest route.
 _SAMPLED_SELECTION_MIN_NUMEL = 1 << 16

@@ -1,6 +1,6 @@
 """Performance model: a DDP iteration replayed for any plan, with what-if scenarios."""
 
-from .model import CandidateCosts, NetworkModel, PerformanceModel, Scenario
-from .timeline import BucketSpan, Timeline
+from advisor.perfmodel.model import CandidateCosts, NetworkModel, PerformanceModel, Scenario
+from advisor.perfmodel.timeline import BucketSpan, Timeline
 
 __all__ = ["BucketSpan", "CandidateCosts", "NetworkModel", "PerformanceModel", "Scenario", "Timeline"]

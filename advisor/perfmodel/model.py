@@ -41,10 +41,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..compressors import Collective, SegmentLayout, parse
-from ..compressors.registry import CompressorConfig
-from ..runtime.plan import Plan
-from .timeline import BucketSpan, Timeline
+from advisor.compressors import Collective, SegmentLayout, parse
+from advisor.compressors.registry import CompressorConfig
+from advisor.perfmodel.timeline import BucketSpan, Timeline
+from advisor.runtime.plan import Plan
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..schema import from_jsonable, to_jsonable
+from advisor.core.documents import from_jsonable, to_jsonable
 
 TIMELINE_VERSION = 1
 

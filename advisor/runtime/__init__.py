@@ -1,6 +1,6 @@
 """Executes a compression plan inside DDP: the plan type, the hook, its ordered channel."""
 
-from .hook import CompressionHook, compression_hook, install
-from .plan import Plan, PlanGroup
+from advisor.runtime.hook import CompressionHook, compression_hook, install
+from advisor.runtime.plan import Plan, PlanGroup
 
 __all__ = ["CompressionHook", "Plan", "PlanGroup", "compression_hook", "install"]

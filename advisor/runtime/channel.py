@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..compressors.base import Collective, Exchange, Message, cached_buffer
+from advisor.compressors.base import Collective, Exchange, Message, cached_buffer
 
 
 class Channel:

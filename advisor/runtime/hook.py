@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ..compressors.base import Collective, Compressor, ExchangeContext, Message, SegmentLayout
-from ..compressors.registry import CompressorConfig
-from .channel import Job, LocalChannel, OrderedExecutor, ProcessGroupChannel
-from .plan import Plan, as_plan
-from .segment import ResidualStore, guarded_exchange
+from advisor.compressors.base import Collective, Compressor, ExchangeContext, Message, SegmentLayout
+from advisor.compressors.registry import CompressorConfig
+from advisor.runtime.channel import Job, LocalChannel, OrderedExecutor, ProcessGroupChannel
+from advisor.runtime.plan import Plan, as_plan
+from advisor.runtime.segment import ResidualStore, guarded_exchange
 
 log = logging.getLogger("advisor.runtime")
 

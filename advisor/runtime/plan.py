@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..compressors.registry import CompressorConfig, parse
-from ..schema import JsonDocument
+from advisor.compressors.registry import CompressorConfig, parse
+from advisor.core.documents import JsonDocument
 
 PLAN_VERSION = 1
 PLAN_KIND = "compression-advisor/plan"

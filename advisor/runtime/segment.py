@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from ..compressors.base import Collective, Compressor, Exchange, ExchangeContext, Message, SegmentLayout, is_finite
-from ..compressors.casts import NoCompression
+from advisor.compressors.base import Collective, Compressor, Exchange, ExchangeContext, Message, SegmentLayout, is_finite
+from advisor.compressors.casts import NoCompression
 
 log = logging.getLogger("advisor.runtime")
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from ..compressors.base import Collective, Compressor, ExchangeContext, Message, SegmentLayout
-from .segment import ResidualStore, guarded_exchange
+from advisor.compressors.base import Collective, Compressor, ExchangeContext, Message, SegmentLayout
+from advisor.runtime.segment import ResidualStore, guarded_exchange
 
 
 def combine(messages: Sequence[Message]) -> torch.Tensor:

@@ -34,6 +34,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from advisor.compressors.registry import parse
+from advisor.core.documents import check_int
+from advisor.runtime import Plan, install
+from advisor.tuning.accuracy import AccuracyTrial, Evaluator, check_evaluate
+from advisor.tuning.live import LossFn, measure_plans
+from advisor.tuning.results import AutotuneResult, bucket_rows
 from policies import accuracy_gate as gate
 from policies.base import Policy
 from policies.do_no_harm import CANDIDATE, FP32, SIXTEEN_BIT, LiveMeasurement, decide
@@ -42,15 +48,10 @@ from policies.learned import MeasurementSet, plan_features
 from policies.optuna_search import OptunaPolicy
 from policies.problem import BASELINES, DEFAULT_REFERENCE, TuningProblem
 from policies.problem import SIXTEEN_BIT as SIXTEEN_BIT_CASTS
+from profilers.cluster import profile_cluster
+from profilers.network import NETWORK_REUSE_S
+from profilers.profile import ClusterProfile
 from profilers.training_state import preferred_sixteen_bit
-
-from .accuracy import AccuracyTrial, check_evaluate
-from .compressors.registry import parse
-from .live import LossFn, measure_plans
-from .report import AutotuneResult, bucket_rows
-from .runtime import Plan, install
-from .schema import check_int
-from .workloads import Evaluator
 
 log = logging.getLogger("advisor.autotune")
 
@@ -140,7 +141,7 @@ def autotune(
         accuracy_trial: trial every short-listed plan for accuracy (the gate); False trusts
             the budget alone.
         trial_s: the accuracy trial's time budget in seconds.
-        trial_options: more keyword arguments of :class:`advisor.accuracy.AccuracyTrial`
+        trial_options: more keyword arguments of :class:`advisor.tuning.accuracy.AccuracyTrial`
             (``eval_every``, ``signal_to_noise``, ``min_tolerance``, ``max_steps``, ...).
         fidelity_measure: ``"gradient"`` (default) or ``"update"`` (through the optimizer).
         top, rounds, steps, measure_s: how many of the best predicted plans are measured live,
@@ -163,7 +164,7 @@ def autotune(
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"autotune needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
     if not dist.is_initialized():
-        raise RuntimeError("autotune needs an initialised process group (torchrun, or advisor.launch)")
+        raise RuntimeError("autotune needs an initialised process group (torchrun, or advisor.testbed.launch)")
     labels = list(dict.fromkeys(parse(c).label for c in ["none", *candidates]))
     earn = budget is None and reference is None
     gated = accuracy_trial and optimizer is not None
@@ -190,13 +191,10 @@ def autotune(
 
     # --- 1. profile -----------------------------------------------------------------
     if profile is None:
-        from profilers.cluster import profile_cluster
-        from profilers.network import NETWORK_REUSE_S
 
         profile = profile_cluster(ddp_model, loss_fn, batches, optimizer,
                                   configs=[c for c in labels if c != "none"], group=group, note=where,
                                   network_budget_s=15.0, network_reuse_s=NETWORK_REUSE_S, progress=say)
-    from profilers.profile import ClusterProfile
 
     profile = ClusterProfile.from_dict(_broadcast(profile.to_dict(), group))  # one profile for all ranks
     t_profiled = time.perf_counter()
@@ -518,40 +516,6 @@ class StageLog:
 
     def __call__(self, message: str) -> None:
         print(f"  {time.perf_counter() - self.t0:6.1f} s  {message}", file=sys.stderr, flush=True)
-
-
-def _autotune_rank(rank: int, world_size: int, spec: str, kwargs: dict):
-    from .workloads import build_workload
-
-    kwargs = dict(kwargs)
-    if kwargs.pop("show_progress", False) and rank == 0:
-        kwargs["progress"] = StageLog()
-    workload = build_workload(spec)
-    ddp = DistributedDataParallel(workload.model)
-    kwargs = {"evaluate": workload.evaluator(), "metric": workload.metric, **kwargs}
-    result = autotune(ddp, workload.loss_fn, workload.batches, workload.optimizer(), **kwargs)
-    if result.hook is not None:
-        result.hook.close()
-    result.hook = None
-    return result if rank == 0 else None
-
-
-def autotune_model(spec: str, nproc: int = 2, *, rate: str | None = None, timeout: float = 900.0,
-                   **kwargs: Any) -> AutotuneResult:
-    """Launch ``nproc`` ranks for the workload ``spec`` and autotune it there (rank 0's result).
-
-    ``rate`` (e.g. ``"1gbit"``) runs on an emulated cluster with links of that rate (root
-    and iproute2); otherwise local processes over loopback.
-    """
-    from .emulated import run_ranks
-    from .workloads import load_factory
-
-    load_factory(spec)  # fail fast on a factory that does not import
-
-    def args(where: str):
-        return (spec, {"where": where, **kwargs})
-
-    return run_ranks(_autotune_rank, nproc, args, rate=rate, timeout=timeout)[0]
 
 
 def _measurements(problem, choices_of, described, rounds_s, where):

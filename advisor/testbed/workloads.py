@@ -15,22 +15,14 @@ import re
 import sys
 import sysconfig
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-Evaluator = Callable[[nn.Module], Mapping[str, float]]
-
-#: metric names read as "higher is better" when a workload does not say (all others: lower)
-_HIGHER_IS_BETTER = re.compile(r"acc|f1|auc|bleu|score|precision|recall", re.IGNORECASE)
-
-
-def higher_is_better(metric: str) -> bool:
-    """Whether a larger value of ``metric`` is better (accuracy) or worse (loss, perplexity)."""
-    return bool(_HIGHER_IS_BETTER.search(metric))
+from advisor.tuning.accuracy import Evaluator, held_out_loss
 
 
 @dataclass
@@ -69,23 +61,8 @@ class Workload:
         return None
 
 
-def held_out_loss(loss_fn: Callable[[nn.Module, Any], torch.Tensor], batches: Sequence[Any]) -> Evaluator:
-    """An evaluator: the mean of ``loss_fn`` over ``batches``, without gradients, in eval mode."""
-    batches = list(batches)
-    if not batches:
-        raise ValueError("held-out loss needs at least one held-out batch")
-
-    def evaluate(model: nn.Module) -> dict[str, float]:
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                total = sum(float(loss_fn(model, b)) for b in batches)
-        finally:
-            model.train(was_training)
-        return {"loss": total / len(batches)}
-
-    return evaluate
+#: the bundled workloads' short module name in model specs (``advisor.workloads:digits``)
+BUNDLED_ALIASES = {"advisor.workloads": __name__}
 
 
 def load_factory(spec: str) -> Callable[[], Workload]:
@@ -93,6 +70,7 @@ def load_factory(spec: str) -> Callable[[], Workload]:
     if not isinstance(spec, str) or spec.count(":") != 1:
         raise ValueError(f"model factory {spec!r}: write it as 'package.module:function'")
     module_name, attr = spec.split(":")
+    module_name = BUNDLED_ALIASES.get(module_name, module_name)
     # like ``python -m``: the user's own modules, run from their project directory
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
@@ -112,7 +90,7 @@ def build_workload(spec: str, seed: int = 0) -> Workload:
     workload = factory()
     if not isinstance(workload, Workload):
         raise ValueError(
-            f"model factory {spec!r} returned {type(workload).__name__}; it must return advisor.workloads.Workload"
+            f"model factory {spec!r} returned {type(workload).__name__}; it must return advisor.testbed.workloads.Workload"
         )
     return workload
 

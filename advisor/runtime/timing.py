@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..runtime.segment import ResidualStore, guarded_exchange
-from .base import Collective, Compressor, ExchangeContext, Message, SegmentLayout
+from advisor.compressors.base import Collective, Compressor, ExchangeContext, Message, SegmentLayout
+from advisor.runtime.segment import ResidualStore, guarded_exchange
 
 
 @dataclass(frozen=True)

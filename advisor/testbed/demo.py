@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from .workloads import mlp
+from advisor.testbed.emulated import parse_rate, unavailable_reason
+from advisor.testbed.jobs import autotune_model
+from advisor.testbed.workloads import mlp
 
 DEMO_MODEL = "advisor.workloads:mlp"
 DEMO_RATE = "1gbit"
@@ -23,13 +25,11 @@ def bundled_mlp() -> nn.Module:
 
 def demo_rate(rate: str | None = DEMO_RATE) -> str | None:
     """The emulated link rate the demo will use, or None for loopback."""
-    from .emulated import unavailable_reason
 
     return rate if rate is not None and unavailable_reason() is None else None
 
 
 def demo_cluster_description(rate: str | None = DEMO_RATE) -> str:
-    from .emulated import parse_rate
 
     rate = demo_rate(rate)
     if rate is None:
@@ -39,7 +39,6 @@ def demo_cluster_description(rate: str | None = DEMO_RATE) -> str:
 
 def run_demo(model: str = DEMO_MODEL, rate: str | None = DEMO_RATE, progress=None, **kwargs):
     """Autotune ``model`` on 2 local ranks; returns rank 0's :class:`AutotuneResult`."""
-    from .autotuning import autotune_model
 
     kwargs.setdefault("trials", 1000)
     return autotune_model(model, 2, rate=demo_rate(rate), where=demo_cluster_description(rate), **kwargs)

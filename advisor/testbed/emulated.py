@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .launch import launch_local
+from advisor.testbed.launch import launch_local
 
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?)(bit|bps)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
@@ -241,7 +241,6 @@ def run_ranks(fn: Callable[..., Any], nproc: int, make_args: Callable[[str], Seq
     and iproute2); without, local processes over loopback.  ``where`` describes which, for
     the job to record.
     """
-    from .launch import launch_local
 
     if rate is None:
         return launch_local(fn, nproc, make_args(f"{nproc} local processes over loopback"), timeout=timeout)

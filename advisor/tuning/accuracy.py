@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,16 +30,45 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from advisor.core.documents import check_int
+from advisor.runtime import Plan, install
+from advisor.tuning.live import LossFn, shadow_ddp
 from policies import accuracy_gate as gate
 from profilers.training_state import clone_optimizer
 
-from .live import LossFn, shadow_ddp
-from .runtime import Plan, install
-from .schema import check_int
-from .workloads import Evaluator, held_out_loss
-from .workloads import higher_is_better as metric_higher_is_better
+Evaluator = Callable[[nn.Module], Mapping[str, float]]
+
+#: metric names read as "higher is better" when a workload does not say (all others: lower)
+_HIGHER_IS_BETTER = re.compile(r"acc|f1|auc|bleu|score|precision|recall", re.IGNORECASE)
+
+
+def higher_is_better(metric: str) -> bool:
+    """Whether a larger value of ``metric`` is better (accuracy) or worse (loss, perplexity)."""
+    return bool(_HIGHER_IS_BETTER.search(metric))
+
+
+
+def held_out_loss(loss_fn: Callable[[nn.Module, Any], torch.Tensor], batches: Sequence[Any]) -> Evaluator:
+    """An evaluator: the mean of ``loss_fn`` over ``batches``, without gradients, in eval mode."""
+    batches = list(batches)
+    if not batches:
+        raise ValueError("held-out loss needs at least one held-out batch")
+
+    def evaluate(model: nn.Module) -> dict[str, float]:
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                total = sum(float(loss_fn(model, b)) for b in batches)
+        finally:
+            model.train(was_training)
+        return {"loss": total / len(batches)}
+
+    return evaluate
+
 
 #: min_steps multiples before a trial whose fp32 progress stays inside its noise stops as uninformative
 UNINFORMATIVE_AFTER = 3
@@ -143,7 +173,7 @@ class AccuracyTrial:
             raise ValueError("the accuracy trial needs at least one batch")
         self.ddp, self.loss_fn, self.optimizer, self.group = ddp, loss_fn, optimizer, group
         self.metric = metric
-        self.higher = higher_is_better if higher_is_better is not None else metric_higher_is_better(metric)
+        self.higher = higher_is_better if higher_is_better is not None else higher_is_better(metric)
         self.min_steps, self.max_steps, self.eval_every = min_steps, max_steps, eval_every
         self.signal_to_noise, self.min_tolerance = float(signal_to_noise), float(min_tolerance)
         self.noise_checkpoints, self.stop_behind = noise_checkpoints, float(stop_behind)

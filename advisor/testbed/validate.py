@@ -29,14 +29,15 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from advisor.core.documents import VersionedDocument, check_int
+from advisor.runtime import Plan, install
+from advisor.runtime.plan import as_plan
+from advisor.testbed.emulated import parse_rate, run_ranks
+from advisor.testbed.workloads import build_workload, load_factory
+from advisor.tuning.accuracy import evaluate_on_every_rank, higher_is_better
+from advisor.tuning.autotune import autotune
 from policies.problem import SIXTEEN_BIT as SIXTEEN_BIT_CASTS
 from profilers.training_state import preferred_sixteen_bit
-
-from .accuracy import evaluate_on_every_rank
-from .runtime import Plan, install
-from .runtime.plan import as_plan
-from .schema import VersionedDocument, check_int
-from .workloads import build_workload, higher_is_better, load_factory
 
 VALIDATION_KIND = "compression-advisor/validation"
 #: arm kinds
@@ -238,7 +239,6 @@ def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, ste
     mine = batches[rank::world] if len(batches) >= world else batches
     advice, tuned_result = "", None
     if plan_dict is None:
-        from .autotuning import autotune
 
         tuned = copy.deepcopy(workload.model)
         ddp = DistributedDataParallel(tuned)
@@ -305,7 +305,6 @@ def validate_workload(spec: str, plan=None, *, nproc: int = 2, rate: str | None 
         ValueError: a bad argument, a plan for another model, or a workload without a
             way to evaluate, before any training; an ``evaluate`` that fails, on every rank.
     """
-    from .emulated import parse_rate, run_ranks
 
     load_factory(spec)
     for name, value in (("nproc", nproc), ("steps", steps)):

@@ -9,6 +9,9 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from advisor.perfmodel import PerformanceModel
+from advisor.runtime import Plan
+
 
 def render_profile(profile, console: Console | None = None) -> None:
     """Summarise a ClusterProfile: environment, compute, network fits, kernels, fidelity."""
@@ -169,8 +172,6 @@ def timeline_bars(timeline, width: int = 64) -> list[str]:
 
 def render_plan(plan, profile, console: Console | None = None, png: str | None = None) -> dict:
     """Per-bucket predictions of ``plan`` on ``profile``, next to the fp32 and 16-bit baselines."""
-    from advisor.perfmodel import PerformanceModel
-    from advisor.runtime import Plan
 
     console = console or Console()
     model = PerformanceModel(profile)

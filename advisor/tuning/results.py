@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from advisor.core.documents import VersionedDocument
+from advisor.report.text import fitted_table, short_count, wrappable
+from advisor.runtime.plan import Plan
+from advisor.tuning.accuracy import AccuracyTrialReport
 from policies.do_no_harm import LiveMeasurement
 from policies.learned import Measurement
-
-from .accuracy import AccuracyTrialReport
-from .runtime.plan import Plan
-from .schema import VersionedDocument
 
 RESULT_KIND = "compression-advisor/autotune-result"
 RESULT_VERSION = 1
@@ -159,7 +159,6 @@ def render_accuracy(report: AccuracyTrialReport, console) -> None:
                          (f"final {report.metric}", "right"), ("gap vs fp32", "right"), ("verdict", "left")):
         # text columns wrap; numbers never do
         table.add_column(col, justify=justify, overflow="fold", no_wrap=justify == "right")
-    from .reports import wrappable
 
     for arm in report.arms:
         table.add_row(wrappable(arm.description), arm.kind,
@@ -200,7 +199,6 @@ def save_measured_vs_predicted_png(result: AutotuneResult, path) -> None:
 
 
 def render_buckets(rows: list[BucketRow], console) -> None:
-    from .reports import fitted_table, short_count, wrappable
 
     cells = [[str(r.index), str(r.parameters), short_count(r.numel), wrappable(r.config), f"{r.encode_s * 1e3:.2f}",
               f"{r.comm_s * 1e3:.2f}", f"{r.decode_s * 1e3:.2f}", f"{r.wire_bytes / 1024:.0f}",

@@ -23,7 +23,7 @@ the model's forward calls, which every rank makes at the same step:
    deviations); the medians (slowest rank) decide under the do-no-harm rule, and the event
    says how far the margin was from the noise.  Where ``loss_fn`` and ``batches`` are given
    (and the optimizer), the plan that wins on speed must also pass the accuracy gate, the
-   same paired trial as :func:`advisor.autotune`'s (:mod:`advisor.accuracy`): shadow copies
+   same paired trial as :func:`advisor.autotune`'s (:mod:`advisor.tuning.accuracy`): shadow copies
    from the current weights, with a clone of the optimizer, next to fp32 on those batches;
    a rejected plan leaves the race and the next one is judged, down to fp32.
 4. **watch** (GraVAC-style): every ``watch_every`` steps the compression gain
@@ -58,15 +58,26 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from policies.problem import BASELINES, DEFAULT_REFERENCE, SIXTEEN_BIT
+from advisor.compressors import SegmentLayout, parse
+from advisor.compressors.registry import CompressorConfig
+from advisor.core.documents import check_int
+from advisor.runtime import Plan, install
+from advisor.runtime.simulate import SimulatedRanks
+from advisor.tuning.accuracy import AccuracyTrial, check_evaluate
+from advisor.tuning.autotune import DEFAULT_CANDIDATES, LazyTrial, _broadcast, _rank, decide_for_accuracy
+from policies import accuracy_gate as gate
+from policies.do_no_harm import LiveMeasurement
+from policies.optuna_search import OptunaPolicy
+from policies.problem import BASELINES, DEFAULT_REFERENCE, SIXTEEN_BIT, TuningProblem
+from profilers.cluster import _environment, _slowest_kernels
+from profilers.compute import copy_rate, ddp_buckets, layer_costs, layer_of, slowest
+from profilers.fidelity import fidelity_of
+from profilers.kernels import profile_kernels
+from profilers.network import NETWORK_REUSE_S, profile_network, reduction_dtypes_of
+from profilers.profile import Bucket, ClusterProfile, ComputeProfile, ParameterTiming
+from profilers.training_state import preferred_sixteen_bit
 
-from .compressors import SegmentLayout, parse
-from .compressors.registry import CompressorConfig
-from .runtime import Plan, install
-from .runtime.simulate import SimulatedRanks
-from .schema import check_int
-
-log = logging.getLogger("advisor.online")
+log = logging.getLogger("advisor.tuning.online")
 
 OBSERVE, TRIAL, WATCH = "observe", "trial", "watch"
 #: steps under a new plan left out of its timing (the first ones pay for buffers and caches)
@@ -117,8 +128,6 @@ class OnlineTuner:
                  loss_z: float = 3.0, trend_steps: int = 0, loss_fn=None, batches: Sequence | None = None,
                  evaluate=None, held_out: Sequence | None = None, metric: str = "loss", trial_s: float = 40.0,
                  trial_options: dict | None = None, group=None) -> None:
-        from .accuracy import check_evaluate
-        from .autotuning import DEFAULT_CANDIDATES
 
         if not isinstance(ddp, DistributedDataParallel):
             raise TypeError(f"wrap needs a DistributedDataParallel model, got {type(ddp).__name__}")
@@ -327,12 +336,6 @@ class OnlineTuner:
 
     # --- phase 2: profile and search -----------------------------------------------------
     def _profile(self):
-        from profilers.cluster import _environment, _slowest_kernels
-        from profilers.compute import copy_rate, ddp_buckets, layer_costs, layer_of, slowest
-        from profilers.fidelity import fidelity_of
-        from profilers.kernels import profile_kernels
-        from profilers.network import NETWORK_REUSE_S, profile_network, reduction_dtypes_of
-        from profilers.profile import ClusterProfile, ComputeProfile, ParameterTiming
 
         named = [(n, p) for n, p in self.ddp.module.named_parameters() if p.requires_grad]
         names = [n for n, _ in named]
@@ -369,18 +372,11 @@ class OnlineTuner:
         return bool(self.ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices"))
 
     def _segments_as_buckets(self):
-        from profilers.profile import Bucket
 
         shapes = dict((n, p) for n, p in self.ddp.module.named_parameters())
         return [Bucket(i, list(names), sum(shapes[n].numel() for n in names)) for i, names in enumerate(self._grads)]
 
     def _tune(self) -> None:
-        from policies.optuna_search import OptunaPolicy
-        from policies.problem import TuningProblem
-        from profilers.profile import ClusterProfile
-        from profilers.training_state import preferred_sixteen_bit
-
-        from .autotuning import _broadcast, _rank
 
         t0 = time.perf_counter()
         self._stop_observing()
@@ -450,10 +446,6 @@ class OnlineTuner:
         self._decide()
 
     def _decide(self) -> None:
-        from policies.do_no_harm import LiveMeasurement
-        from profilers.compute import slowest
-
-        from .autotuning import decide_for_accuracy
 
         labels = list(self._trial_times)
         stats = [robust_median(self._trial_times[label]) for label in labels]
@@ -494,10 +486,6 @@ class OnlineTuner:
         """
         if self._gate_args is None:
             return None
-        from policies import accuracy_gate as gate
-
-        from .accuracy import AccuracyTrial
-        from .autotuning import LazyTrial
 
         args = dict(self._gate_args)
         loss_fn, batches = args.pop("loss_fn"), args.pop("batches")

@@ -14,9 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from advisor.perfmodel import Scenario
 from policies.problem import BASELINES, DEFAULT_REFERENCE, TuningProblem
-
-from .perfmodel import Scenario
 
 
 @dataclass
@@ -48,7 +47,7 @@ class WhatIfVerdict:
 def budget_evidence(budget: float | None, reference: str | None, accuracy=None) -> tuple[dict, str, set[str]]:
     """``TuningProblem.from_profile`` budget arguments, where they come from, and the configs a trial accepted.
 
-    ``accuracy``: an :class:`advisor.accuracy.AccuracyTrialReport` (an autotune result's).
+    ``accuracy``: an :class:`advisor.tuning.accuracy.AccuracyTrialReport` (an autotune result's).
     """
     accepted: set[str] = set()
     if accuracy is not None:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-log = logging.getLogger("advisor.launch")
+log = logging.getLogger("advisor.testbed.launch")
 
 
 class RankFailed(RuntimeError):
@@ -269,7 +269,7 @@ def _start_method() -> str:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", "advisor.launch"])
+    context.set_forkserver_preload(["torch", "torch.distributed", "advisor.testbed.launch"])
     return "forkserver"
 
 

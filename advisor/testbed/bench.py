@@ -22,10 +22,12 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import advisor
+from advisor.testbed.emulated import EmulatedCluster, unavailable_reason
+from advisor.testbed.launch import launch_local
+from advisor.testbed.workloads import build_workload
+from advisor.tuning.live import timed_steps
 from profilers.compute import slowest
-
-from .live import timed_steps
-from .workloads import build_workload
 
 MODELS = ("advisor.workloads:mlp", "advisor.workloads:small_cnn", "advisor.workloads:tiny_lm")
 RATES = ("100mbit", "1gbit", "unshaped")
@@ -43,7 +45,6 @@ def _fresh(spec: str, **ddp_kwargs):
 
 def _autotuned(spec: str, batches: list, where: str, measurements: str | None, autotune_kwargs: dict):
     """A fresh copy of the model, autotuned, past its plan's warm-up: (model, optimizer, result, seconds)."""
-    import advisor
 
     workload, model = _fresh(spec)
     opt = workload.optimizer()  # over this copy's parameters
@@ -113,8 +114,6 @@ def run_benchmark(ranks: Sequence[int] = (2, 4), rates: Sequence[str] = RATES, m
     copy of the model, measured in the same rounds), for a comparison with PyTorch's rank 1
     at the same accuracy cost.
     """
-    from .emulated import EmulatedCluster, unavailable_reason
-    from .launch import launch_local
 
     emulated = unavailable_reason() is None
     rows = []

@@ -1,0 +1,1 @@
+"""Documents that cross package boundaries: versioned dataclasses, their JSON and validation."""

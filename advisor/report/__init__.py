@@ -1,0 +1,1 @@
+"""Text renderers: they draw summaries the library computed (rich tables, fitted to the terminal)."""

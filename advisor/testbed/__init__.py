@@ -1,0 +1,1 @@
+"""The testbed: local ranks, the emulated slow cluster, bundled workloads, the demo, bench and validate."""

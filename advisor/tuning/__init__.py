@@ -1,0 +1,1 @@
+"""Choosing and proving a plan: autotune (offline), wrap (online), live measurement, the accuracy trial, what-if."""
