@@ -55,9 +55,9 @@ def plans_for(profile) -> dict[str, Plan]:
 def _rank(rank: int, world: int, spec: str, steps: int, rounds: int):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from advisor.core.collectives import slowest
     from advisor.tuning.live import timed_steps
     from profilers.cluster import profile_cluster
-    from profilers.compute import slowest
 
     workload = build_workload(spec)
     ddp = DDP(workload.model)

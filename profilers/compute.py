@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from advisor.core.collectives import slowest
 from advisor.runtime.hook import sparse_parameters
 
 from .profile import Bucket, ComputeProfile, ParameterTiming
@@ -79,15 +80,6 @@ def ddp_buckets(ddp: DistributedDataParallel, loss_fn: LossFn, batch: Any) -> li
         buckets.append(current)
     by_name = dict(named)
     return [Bucket(i, b, sum(by_name[n].numel() for n in b)) for i, b in enumerate(buckets)]
-
-
-def slowest(values: list[float], group=None) -> list[float]:
-    """Each value's maximum over the ranks (the slowest rank sets the pace); one collective."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return values
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.tolist()
 
 
 def _gather(value: float, group) -> list[float]:

@@ -31,6 +31,7 @@ from sklearn.linear_model import HuberRegressor
 from sklearn.metrics import r2_score
 
 from advisor.compressors import SegmentLayout, parse
+from advisor.core.collectives import slowest
 
 from .profile import CollectiveFit, NetworkProfile
 
@@ -79,12 +80,6 @@ def _op(collective: str, nbytes: int, group, dtype: torch.dtype = torch.float32)
     raise ValueError(f"unknown collective {collective!r}; allowed: {', '.join(COLLECTIVES)}")
 
 
-def _slowest(*seconds: float, group=None) -> float | tuple[float, ...]:
-    t = torch.tensor(seconds, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t[0]) if len(seconds) == 1 else tuple(float(x) for x in t)
-
-
 def process_cpu_s() -> float:
     """CPU seconds of this process so far, every thread, user and system."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -98,7 +93,7 @@ def _timed_with_cpu(op, group) -> tuple[float, float]:
     t0 = time.perf_counter()
     op()
     wall = time.perf_counter() - t0
-    return _slowest(wall, process_cpu_s() - c0, group=group)
+    return tuple(slowest([wall, process_cpu_s() - c0], group))
 
 
 def time_collective(collective: str, nbytes: int, repeats: int, group=None) -> list[tuple[float, float]]:
@@ -175,7 +170,7 @@ def time_step_rounds(fit: CollectiveFit, nbytes: int = STEP_ROUND_BYTES, rounds:
         op()
         waits.append(time.perf_counter() - t0)
     # trimmed: a pause of the shared machine in one round is not a cost of every round
-    mean_wait = _slowest(float(trim_mean(waits, 0.1)), group=group)
+    mean_wait = slowest([float(trim_mean(waits, 0.1))], group)[0]
     return max(0.0, mean_wait - fit.predict(nbytes))
 
 
@@ -283,7 +278,7 @@ def profile_network(
     if reuse_within_s > 0:
         cached = _MEASURED.get(key)
         fresh = cached is not None and time.perf_counter() - cached[0] <= reuse_within_s
-        if _slowest(0.0 if fresh else 1.0, group=group) == 0.0:  # fresh on every rank
+        if slowest([0.0 if fresh else 1.0], group)[0] == 0.0:  # fresh on every rank
             return copy.deepcopy(cached[1])
     profile = _measure_network(group, collectives, min_bytes, max_bytes, repeats, max_op_s, budget_s,
                                reduction_dtypes)
@@ -306,10 +301,10 @@ def _measure_network(group, collectives, min_bytes, max_bytes, repeats, max_op_s
             timed = time_collective(collective, nbytes, repeats, group)
             points += [(nbytes, wall) for wall, _ in timed]
             cpu_points += [(nbytes, cpu) for _, cpu in timed]
-            slowest = statistics.median(wall for wall, _ in timed)
+            op_s = statistics.median(wall for wall, _ in timed)
             # every rank decides from the same (all-reduced) numbers: schedules stay aligned
-            spent = _slowest(time.perf_counter() - began, group=group)
-            if slowest > max_op_s or spent + 2.5 * slowest * (repeats + 1) > per_collective_budget:
+            spent = slowest([time.perf_counter() - began], group)[0]
+            if op_s > max_op_s or spent + 2.5 * op_s * (repeats + 1) > per_collective_budget:
                 break
             nbytes *= 2
         fits[collective] = fit_collective(collective, world, points, cpu_points)
@@ -328,7 +323,7 @@ def _measure_network(group, collectives, min_bytes, max_bytes, repeats, max_op_s
         per_op = fit.predict(nbytes) + 2 * fit.predict(4)
         expected = per_op * (2 * REDUCTION_PAIRS + 1) * (1 + len(reduction_dtypes))
         # every rank decides from the same (all-reduced) numbers
-        if _slowest(time.perf_counter() - start, group=group) + expected <= budget_s:
+        if slowest([time.perf_counter() - start], group)[0] + expected <= budget_s:
             extra, extra_cpu = time_reductions(reduction_dtypes, nbytes, group=group)
     return NetworkProfile(fits=fits, elapsed_s=time.perf_counter() - start, reduce_s_per_byte=extra,
                           reduce_cpu_s_per_byte=extra_cpu, round_s=round_s)

@@ -23,11 +23,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import advisor
+from advisor.core.collectives import slowest
 from advisor.testbed.emulated import EmulatedCluster, unavailable_reason
 from advisor.testbed.launch import launch_local
 from advisor.testbed.workloads import build_workload
 from advisor.tuning.live import timed_steps
-from profilers.compute import slowest
 
 MODELS = ("advisor.workloads:mlp", "advisor.workloads:small_cnn", "advisor.workloads:tiny_lm")
 RATES = ("100mbit", "1gbit", "unshaped")

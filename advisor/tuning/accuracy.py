@@ -50,6 +50,9 @@ def higher_is_better(metric: str) -> bool:
     return bool(_HIGHER_IS_BETTER.search(metric))
 
 
+_metric_higher_is_better = higher_is_better  # AccuracyTrial's argument of that name hides the function
+
+
 
 def held_out_loss(loss_fn: Callable[[nn.Module, Any], torch.Tensor], batches: Sequence[Any]) -> Evaluator:
     """An evaluator: the mean of ``loss_fn`` over ``batches``, without gradients, in eval mode."""
@@ -173,7 +176,7 @@ class AccuracyTrial:
             raise ValueError("the accuracy trial needs at least one batch")
         self.ddp, self.loss_fn, self.optimizer, self.group = ddp, loss_fn, optimizer, group
         self.metric = metric
-        self.higher = higher_is_better if higher_is_better is not None else higher_is_better(metric)
+        self.higher = higher_is_better if higher_is_better is not None else _metric_higher_is_better(metric)
         self.min_steps, self.max_steps, self.eval_every = min_steps, max_steps, eval_every
         self.signal_to_noise, self.min_tolerance = float(signal_to_noise), float(min_tolerance)
         self.noise_checkpoints, self.stop_behind = noise_checkpoints, float(stop_behind)

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from advisor.compressors.registry import parse
+from advisor.core.collectives import from_rank_zero, rank
 from advisor.core.documents import check_int
 from advisor.runtime import Plan, install
 from advisor.tuning.accuracy import AccuracyTrial, Evaluator, check_evaluate
@@ -74,19 +75,6 @@ def _policy(policy, trials: int) -> Policy:
     if policy == "greedy":
         return GreedyPolicy()
     raise ValueError(f"policy={policy!r}; allowed: {', '.join(POLICIES)} or a policies.Policy instance")
-
-
-def _broadcast(obj, group=None):
-    """Rank 0's ``obj`` on every rank."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    return box[0]
-
-
-def _rank(group=None) -> int:
-    return dist.get_rank(group) if dist.is_initialized() else 0
 
 
 def autotune(
@@ -196,7 +184,7 @@ def autotune(
                                   configs=[c for c in labels if c != "none"], group=group, note=where,
                                   network_budget_s=15.0, network_reuse_s=NETWORK_REUSE_S, progress=say)
 
-    profile = ClusterProfile.from_dict(_broadcast(profile.to_dict(), group))  # one profile for all ranks
+    profile = ClusterProfile.from_dict(from_rank_zero(profile.to_dict(), group))  # one profile for all ranks
     t_profiled = time.perf_counter()
 
     # --- 2. the budget: given, a trusted reference's, or earned in the accuracy trial ------
@@ -242,10 +230,10 @@ def autotune(
 
     # --- 3. search (rank 0) ---------------------------------------------------------
     found = None
-    if _rank(group) == 0:
+    if rank(group) == 0:
         say(f"searching plans ({chosen_policy.name})")
         found = chosen_policy.search(problem)
-    found = _broadcast(found, group)
+    found = from_rank_zero(found, group)
     t_searched = time.perf_counter()
 
     # --- 4. measure the short-list live next to the baselines ----------------------------
@@ -319,7 +307,7 @@ def autotune(
     result.accuracy = trial.report(problem.budget, budget_source) if trial is not None else None
     result.budget_source = budget_source
     result.fidelity_measure = problem.fidelity_measure
-    if measurements_path is not None and _rank(group) == 0:
+    if measurements_path is not None and rank(group) == 0:
         _append_measurements(measurements_path, result.measurements)
     result.hook = hook
     return result
@@ -341,9 +329,9 @@ def decide_for_accuracy(measured: Sequence[LiveMeasurement], judge: Callable[[An
     checked = ""
     while True:
         mine = decide(measured, min_gain=min_gain)
-        decision = _broadcast(mine, group)
+        decision = from_rank_zero(mine, group)
         if decision.chosen != mine.chosen:
-            log.warning("rank %d would have chosen %s; following rank 0's decision (%s)", _rank(group),
+            log.warning("rank %d would have chosen %s; following rank 0's decision (%s)", rank(group),
                         mine.chosen, decision.chosen)
         if judge is None or decision.kind == FP32:
             break
@@ -430,10 +418,10 @@ def _compression_can_pay(problem, policy: Policy, sixteen: str | None, group) ->
     budget, problem.budget = problem.budget, math.inf
     try:
         fastest = None
-        if _rank(group) == 0:
+        if rank(group) == 0:
             found = policy.search(problem)
             fastest = float(problem.predict(found.choices[None, :])[0])
-        fastest = _broadcast(fastest, group)
+        fastest = from_rank_zero(fastest, group)
     finally:
         problem.budget = budget
     if fastest < best_baseline * (1 - _PAYING_GAIN):

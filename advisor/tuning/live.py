@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from advisor.core.collectives import slowest
 from advisor.core.documents import check_int
 from advisor.runtime import CompressionHook, Plan, install
-from profilers.compute import slowest
 from profilers.training_state import StateGuard, clone_optimizer
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]

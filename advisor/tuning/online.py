@@ -60,17 +60,18 @@ from torch.nn.parallel import DistributedDataParallel
 
 from advisor.compressors import SegmentLayout, parse
 from advisor.compressors.registry import CompressorConfig
+from advisor.core.collectives import from_rank_zero, rank, slowest
 from advisor.core.documents import check_int
 from advisor.runtime import Plan, install
 from advisor.runtime.simulate import SimulatedRanks
 from advisor.tuning.accuracy import AccuracyTrial, check_evaluate
-from advisor.tuning.autotune import DEFAULT_CANDIDATES, LazyTrial, _broadcast, _rank, decide_for_accuracy
+from advisor.tuning.autotune import DEFAULT_CANDIDATES, LazyTrial, decide_for_accuracy
 from policies import accuracy_gate as gate
 from policies.do_no_harm import LiveMeasurement
 from policies.optuna_search import OptunaPolicy
 from policies.problem import BASELINES, DEFAULT_REFERENCE, SIXTEEN_BIT, TuningProblem
 from profilers.cluster import _environment, _slowest_kernels
-from profilers.compute import copy_rate, ddp_buckets, layer_costs, layer_of, slowest
+from profilers.compute import copy_rate, ddp_buckets, layer_costs, layer_of
 from profilers.fidelity import fidelity_of
 from profilers.kernels import profile_kernels
 from profilers.network import NETWORK_REUSE_S, profile_network, reduction_dtypes_of
@@ -381,12 +382,12 @@ class OnlineTuner:
         t0 = time.perf_counter()
         self._stop_observing()
         profile = self._profile()
-        profile = ClusterProfile.from_dict(_broadcast(profile.to_dict(), self.group))
+        profile = ClusterProfile.from_dict(from_rank_zero(profile.to_dict(), self.group))
         problem = TuningProblem.from_profile(profile, self.candidates, budget=self.budget)
         found = None
-        if _rank(self.group) == 0:
+        if rank(self.group) == 0:
             found = OptunaPolicy(n_trials=self.trials).search(problem)
-        found = _broadcast(found, self.group)
+        found = from_rank_zero(found, self.group)
         queue = [("fp32", Plan.uniform("none", warmup_steps=0), "fp32")]
         # one 16-bit cast: both send the same bytes, and the optimizer decides which keeps more
         # (bf16's range for Adam-like optimizers, fp16's mantissa for SGD)
