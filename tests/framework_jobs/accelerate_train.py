@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from torch.utils.data import DataLoader, TensorDataset
+from common import data  # this script's own folder
 
 from advisor.integrations import accelerate as compression
 from advisor.runtime import Plan
@@ -30,14 +30,6 @@ FAMILIES = ["fp16", "powersgd(rank=2)", "topk(ratio=0.1)", "intquant(bits=8)", "
 
 def model() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
-
-
-def data() -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    centres = torch.randn(4, 16, generator=g) * 2
-    y = torch.randint(0, 4, (1024,), generator=g)
-    x = centres[y] + torch.randn(1024, 16, generator=g)
-    return DataLoader(TensorDataset(x, y), batch_size=32)
 
 
 def loss_fn(net, batch):

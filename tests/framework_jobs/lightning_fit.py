@@ -18,7 +18,7 @@ import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from common import data  # this script's own folder
 
 from advisor.integrations.lightning import CompressionCallback
 from advisor.runtime import Plan
@@ -67,14 +67,6 @@ class Losses(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.values.append(float(outputs["loss"]))
-
-
-def data() -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    centres = torch.randn(4, 16, generator=g) * 2
-    y = torch.randint(0, 4, (1024,), generator=g)
-    x = centres[y] + torch.randn(1024, 16, generator=g)
-    return DataLoader(TensorDataset(x, y), batch_size=32)
 
 
 def digest(module) -> str:
