@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import advisor
 from advisor.core.collectives import slowest
+from advisor.core.speedups import speedup, speedups
 from advisor.testbed.emulated import EmulatedCluster, unavailable_reason
 from advisor.testbed.launch import launch_local
 from advisor.testbed.workloads import build_workload
@@ -138,13 +139,12 @@ def run_benchmark(ranks: Sequence[int] = (2, 4), rates: Sequence[str] = RATES, m
                 row = {"ranks": world, "rate": rate_name, "model": spec.split(":")[-1], "times_s": t,
                        "rounds_s": out[0]["rounds"], "tune_s": max(o["tune_s"] for o in out),
                        "advice": res["description"], "compress": res["compress"], "reason": res["reason"],
-                       "vs_fp16_hook": t["PyTorch fp16 hook"] / t["advisor plan"],
-                       "vs_best_powersgd": best_psgd / t["advisor plan"],
-                       "vs_best_baseline": best_base / t["advisor plan"], "result": res}
+                       **speedups({"vs_fp16_hook": t["PyTorch fp16 hook"], "vs_best_powersgd": best_psgd,
+                                   "vs_best_baseline": best_base}, t["advisor plan"]), "result": res}
                 if MATCHED in t:
                     held = out[0]["matched_result"]
                     row.update(matched_advice=held["description"], matched_tune_s=max(o["matched_tune_s"] for o in out),
-                               matched_vs_powersgd_r1=t["PyTorch PowerSGD r1 (1 bucket)"] / t[MATCHED],
+                               matched_vs_powersgd_r1=speedup(t["PyTorch PowerSGD r1 (1 bucket)"], t[MATCHED]),
                                matched_fidelity=held.get("fidelity_error"), matched_budget=held.get("fidelity_budget"),
                                matched_budget_source=held.get("budget_source"))
                 rows.append(row)

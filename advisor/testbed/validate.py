@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from advisor.core.documents import VersionedDocument, check_int
+from advisor.core.speedups import speedups
 from advisor.runtime import Plan, install
 from advisor.runtime.plan import as_plan
 from advisor.testbed.emulated import parse_rate, run_ranks
@@ -347,14 +348,10 @@ def validate_workload(spec: str, plan=None, *, nproc: int = 2, rate: str | None 
     tta = {a.label: a.time_to(metric, goal, higher) for a in arms}
     plan_tta = tta["plan"]
     sixteen_label = next(a.label for a in arms if a.kind == SIXTEEN_BIT)
-    speedup = {"vs_fp32": _ratio(tta[FP32], plan_tta), "vs_16bit": _ratio(tta[sixteen_label], plan_tta)}
+    speedup = speedups({"vs_fp32": tta[FP32], "vs_16bit": tta[sixteen_label]}, plan_tta)
     return ValidationReport(
         model=spec, where=out["where"], world_size=nproc, steps=steps, metric=metric, higher_is_better=higher,
         target=goal, target_source=source, plan=out["plan"], description=out["description"], arms=arms,
         time_to_target_s=tta, speedup=speedup, advice=out["advice"], autotune=out.get("autotune"))
 
 
-def _ratio(base: float | None, plan: float | None) -> float | None:
-    if base is None or plan is None or plan <= 0:
-        return None
-    return base / plan

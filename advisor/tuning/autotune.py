@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from advisor.compressors.registry import parse
 from advisor.core.collectives import from_rank_zero, rank
 from advisor.core.documents import check_int
+from advisor.core.speedups import speedups
 from advisor.runtime import Plan, install
 from advisor.tuning.accuracy import AccuracyTrial, Evaluator, check_evaluate
 from advisor.tuning.live import LossFn, measure_plans
@@ -471,10 +472,11 @@ def _result(problem, found, decision, measured, predicted, described, final, cho
     sixteen = [m for m in measured if m.kind == SIXTEEN_BIT]
     best16 = min(sixteen, key=lambda m: m.median_s) if sixteen else None
     chosen_s = by_label[decision.chosen].median_s
-    speedup = {"measured_vs_fp32": fp32 / chosen_s, "predicted_vs_fp32": predicted["fp32"] / predicted[decision.chosen]}
-    if best16 is not None:
-        speedup["measured_vs_16bit"] = best16.median_s / chosen_s
-        speedup["predicted_vs_16bit"] = min(predicted[m.label] for m in sixteen) / predicted[decision.chosen]
+    speedup = speedups({"measured_vs_fp32": fp32, "measured_vs_16bit": best16.median_s if best16 else None},
+                       chosen_s, known_only=True)
+    speedup.update(speedups({"predicted_vs_fp32": predicted["fp32"],
+                             "predicted_vs_16bit": min(predicted[m.label] for m in sixteen) if sixteen else None},
+                            predicted[decision.chosen], known_only=True))
     return AutotuneResult(
         plan=final.to_dict(),
         recommendation=decision.chosen,

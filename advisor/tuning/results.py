@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from advisor.core.documents import VersionedDocument
+from advisor.core.speedups import speedup
 from advisor.report.text import fitted_table, short_count, wrappable
 from advisor.runtime.plan import Plan
 from advisor.tuning.accuracy import AccuracyTrialReport
@@ -122,7 +123,7 @@ class AutotuneResult(VersionedDocument):
             table.add_row(
                 (m.description or m.label) + chosen, m.kind, f"{m.median_s * 1e3:.1f}", f"±{m.noise:.1%}",
                 f"{m.predicted_s * 1e3:.1f}" if m.predicted_s else "-",
-                f"{fp32 / m.median_s:.2f}x" if fp32 else "-",
+                f"{speedup(fp32, m.median_s):.2f}x" if fp32 else "-",
             )
         console.print(table)
         floor = self.predicted_s.get("compute_only")
