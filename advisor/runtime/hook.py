@@ -307,11 +307,21 @@ def _trainable_names(module: torch.nn.Module) -> dict[int, str]:
 def install(
     ddp_model: DistributedDataParallel, plan: Plan | Mapping[str, Any] | str | Path, group=None
 ) -> CompressionHook:
-    """Validate ``plan`` (a Plan, its dict, or a JSON file path) on every rank; register the hook.
+    """Validate ``plan`` on every rank and register the compression hook; call before the first backward.
 
-    Raises ValueError on every rank (never on some ranks only, which would hang the
-    others) when any rank's plan cannot be read, is invalid for the model, or differs
-    from the other ranks' plans.  Call before the first backward pass.
+    Args:
+        ddp_model: the DDP model whose gradients the plan compresses.
+        plan: a :class:`Plan`, its dict, or the path of its JSON file.
+        group: the process group DDP uses (default: the world).
+
+    Returns:
+        The installed :class:`CompressionHook` (a context manager; ``state_dict`` for checkpoints).
+
+    Raises:
+        TypeError: ``ddp_model`` is not a DistributedDataParallel.
+        ValueError: on every rank (never on some only, which would hang the others) when any
+            rank's plan cannot be read, is invalid for the model, or differs from the others'.
+        RuntimeError: DDP already has a communication hook.
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(

@@ -30,9 +30,20 @@ def profile_model(spec: str, nproc: int = 2, *, rate: str | None = None, timeout
                   **kwargs: Any) -> ClusterProfile:
     """Launch ``nproc`` ranks for the workload ``spec`` and profile them.
 
-    ``rate`` (e.g. ``"1gbit"``) runs them on an emulated cluster with links of that rate
-    (needs root and iproute2); otherwise on local processes over loopback.  A rank that
-    fails or hangs ends the job with an error naming it, after at most ``timeout`` s.
+    Args:
+        spec: ``package.module:factory`` returning a :class:`~advisor.testbed.workloads.Workload`.
+        nproc: how many ranks.
+        rate: e.g. ``"1gbit"``: an emulated cluster with links of that rate (root and
+            iproute2); None: local processes over loopback.
+        timeout: seconds before a hanging rank ends the job.
+        **kwargs: more arguments of :func:`profilers.cluster.profile_cluster`.
+
+    Returns:
+        Rank 0's :class:`~profilers.profile.ClusterProfile`.
+
+    Raises:
+        ValueError: the factory does not import or is not callable (before any launch).
+        advisor.testbed.launch.RankFailed: a rank failed or hung; the error names it.
     """
     load_factory(spec)  # fail fast, in this process, on a factory that does not import
 
@@ -58,10 +69,18 @@ def _autotune_rank(rank: int, world_size: int, spec: str, kwargs: dict):
 
 def autotune_model(spec: str, nproc: int = 2, *, rate: str | None = None, timeout: float = 900.0,
                    **kwargs: Any) -> AutotuneResult:
-    """Launch ``nproc`` ranks for the workload ``spec`` and autotune it there (rank 0's result).
+    """Launch ``nproc`` ranks for the workload ``spec`` and autotune it there.
 
-    ``rate`` (e.g. ``"1gbit"``) runs on an emulated cluster with links of that rate (root
-    and iproute2); otherwise local processes over loopback.
+    Args:
+        spec, nproc, rate, timeout: as for :func:`profile_model`.
+        **kwargs: more arguments of :func:`advisor.autotune`.
+
+    Returns:
+        Rank 0's :class:`~advisor.tuning.results.AutotuneResult` (without a hook: the ranks have ended).
+
+    Raises:
+        ValueError: the factory does not import or is not callable (before any launch).
+        advisor.testbed.launch.RankFailed: a rank failed or hung; the error names it.
     """
     load_factory(spec)  # fail fast on a factory that does not import
 

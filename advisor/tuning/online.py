@@ -657,9 +657,20 @@ def _no_autocast():
 def wrap(ddp_model: DistributedDataParallel, optimizer=None, **kwargs) -> OnlineTuner:
     """Autotune ``ddp_model`` online during the first steps of the user's own loop; see the module doc.
 
-    Call on every rank before the first training step.  Keyword arguments: see
-    :class:`OnlineTuner` (``observe_steps``, ``trial_steps``, ``top``, ``watch_every``,
-    ``backoff``, ``candidates``, ``budget``, ``plan`` to only watch a given plan, and for the
-    accuracy gate ``loss_fn``, ``batches``, ``evaluate``, ``held_out``, ``metric``, ``trial_s``).
+    Args:
+        ddp_model: the user's DDP model; call on every rank before the first training step.
+        optimizer: the training optimizer (timed; cloned by the accuracy gate).
+        **kwargs: see :class:`OnlineTuner`: ``observe_steps``, ``trial_steps``, ``top``,
+            ``watch_every``, ``backoff``, ``candidates``, ``budget``, ``plan`` (only watch a
+            given plan), and for the accuracy gate ``loss_fn``, ``batches``, ``evaluate``,
+            ``held_out``, ``metric``, ``trial_s``.
+
+    Returns:
+        The :class:`OnlineTuner`: ``tuner.events`` say what it did and why, ``tuner.plan`` is
+        the plan in use, ``tuner.record_loss(loss)`` feeds the loss watch.
+
+    Raises:
+        TypeError, ValueError: a bad argument, naming it and the allowed values (before any step).
+        RuntimeError: at the first forward under ``ddp.join()``, on every rank.
     """
     return OnlineTuner(ddp_model, optimizer, **kwargs)
