@@ -43,7 +43,7 @@ def _plan_file(tmp_path) -> str:
     from advisor.runtime import Plan
 
     path = tmp_path / "plan.json"
-    path.write_text(__import__("json").dumps(Plan.uniform("fp16").to_dict()))
+    Plan.uniform("fp16").save(path)
     return str(path)
 
 
