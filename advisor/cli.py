@@ -8,11 +8,14 @@ import re
 import sys
 
 import click
+from rich.console import Console
+from rich.table import Table
 
 from advisor.compressors import parse
 from advisor.compressors.registry import REGISTRY, available
-from advisor.core.documents import read_json
+from advisor.core.documents import read_document
 from advisor.perfmodel import Scenario
+from advisor.report.results import render_search
 from advisor.report.text import render_plan, render_profile
 from advisor.runtime import Plan
 from advisor.testbed.bench import MODELS, render_row, run_benchmark
@@ -22,7 +25,8 @@ from advisor.testbed.jobs import profile_model
 from advisor.testbed.launch import RankFailed, leave_together
 from advisor.testbed.validate import validate_workload
 from advisor.testbed.workloads import build_workload, load_factory
-from advisor.tuning.results import AutotuneResult, bucket_rows, render_buckets
+from advisor.tuning.prediction import predict_plan
+from advisor.tuning.results import AutotuneResult, bucket_rows, search_summary
 from advisor.tuning.whatif import budget_evidence, what_if
 from policies.greedy import GreedyPolicy
 from policies.optuna_search import OptunaPolicy
@@ -41,12 +45,9 @@ def main() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def compressors_cmd(as_json: bool) -> None:
     """List the compressors and their parameters."""
-
     if as_json:
         click.echo(json.dumps(available(), indent=2))
         return
-    from rich.console import Console
-    from rich.table import Table
 
     table = Table(title="Compressors")
     table.add_column("name")
@@ -103,7 +104,6 @@ def _profile_here(spec: str, kwargs: dict):
 @click.option("--json", "as_json", is_flag=True, help="Print the profile JSON instead of tables.")
 def profile_cmd(spec, nproc, rate, configs, network, kernels, fidelity, timeout, out_path, as_json) -> None:
     """Profile the cluster for a model: compute, network, compressor costs, fidelity."""
-
     try:
 
         load_factory(spec)
@@ -126,7 +126,6 @@ def profile_cmd(spec, nproc, rate, configs, network, kernels, fidelity, timeout,
             if profile is None:
                 return
         else:
-            from rich.console import Console
 
 
             with Console(stderr=True).status(f"profiling {spec} on {nproc} ranks ..."):
@@ -192,8 +191,6 @@ def whatif_cmd(profile_path, world_size, bandwidth, latency, speedup, budget, re
             "rows": [dataclasses.asdict(r) for r in found.rows],
         }, indent=2))
         return
-    from rich.console import Console
-    from rich.table import Table
 
     base_s = next(r.predicted_s for r in found.rows if r.config == found.best_baseline)
     table = Table(title=f"Predicted iteration at {found.world_size} workers (compute-only floor "
@@ -217,14 +214,12 @@ def whatif_cmd(profile_path, world_size, bandwidth, latency, speedup, budget, re
 @click.option("--json", "as_json", is_flag=True, help="Print the autotune result as JSON for scripts.")
 def demo_cmd(steps: int, rounds: int, as_json: bool) -> None:
     """Autotune a bundled 5.3M-parameter MLP on a local 2-process cluster and print the advice."""
-
     if steps < 1 or rounds < 1:
         fail(f"--steps={steps} --rounds={rounds}; allowed: integers >= 1")
     where = demo_cluster_description()
     if as_json:
         click.echo(run_demo(steps=steps, rounds=rounds).to_json())
         return
-    from rich.console import Console
 
     console = Console()
     console.print(f"Autotuning on {where} (about a minute); rank 0's stages:", highlight=False)
@@ -250,7 +245,6 @@ def demo_cmd(steps: int, rounds: int, as_json: bool) -> None:
 def tune_cmd(profile_path, candidates, budget, reference, result_path, policy, trials, storage, world_size,
              bandwidth, warmup_steps, out_path, as_json) -> None:
     """Choose a plan from a saved profile (predicted; autotune also proves it live)."""
-
     try:
         profile = ClusterProfile.load(profile_path)
         scenario = Scenario(world_size=world_size,
@@ -265,7 +259,6 @@ def tune_cmd(profile_path, candidates, budget, reference, result_path, policy, t
         if warmup_steps < 0:
             raise ValueError(f"--warmup-steps={warmup_steps}; allowed: an integer >= 0")
         if policy == "optuna":
-            from rich.console import Console
 
             with Console(stderr=True).status(f"searching {trials} plans with Optuna ..."):
                 found = chosen.search(problem)
@@ -275,7 +268,7 @@ def tune_cmd(profile_path, candidates, budget, reference, result_path, policy, t
         fail(str(exc))
 
     rows = bucket_rows(problem, found.choices)
-    summary = tuning_summary(problem, found, rows)
+    summary = search_summary(problem, found, rows)
     summary["budget_source"] = budget_source
     summary["checked"] = False
     plan = problem.plan(found.choices, warmup_steps=warmup_steps,
@@ -285,55 +278,12 @@ def tune_cmd(profile_path, candidates, budget, reference, result_path, policy, t
     if as_json:
         click.echo(json.dumps({**summary, "plan": plan.to_dict(), "plan_path": str(out_path)}, indent=2))
         return
-    from rich.console import Console
 
     console = Console()
-    render_tuning(summary, rows, console)
+    render_search(summary, rows, console)
     console.print(f"Budget: {budget_source}. This plan rests on a prediction no trial has checked, for speed or "
                   f"accuracy; plan written to {out_path}: prove it with `advisor validate --plan {out_path}` or "
                   "advisor.autotune(...)")
-
-
-def tuning_summary(problem, found, rows) -> dict:
-    """Predicted times of the chosen plan and the baselines, and the per-bucket ``rows``."""
-    predicted = {c: float(problem.predict(problem.uniform(c))[0]) for c in problem.baselines()}
-    best_base = min(predicted, key=predicted.get)
-    chosen_s = float(found.predicted_s)
-    sixteen = [predicted[c] for c in ("fp16", "bf16") if c in predicted]
-    return {
-        "description": problem.describe(found.choices), "policy": found.policy,
-        "evaluations": int(found.evaluations), "search_s": found.seconds,
-        "predicted_s": chosen_s, "baselines_s": predicted, "best_baseline": best_base,
-        "speedup_vs_fp32": predicted["none"] / chosen_s,
-        "speedup_vs_16bit": (min(sixteen) / chosen_s) if sixteen else None,
-        "compute_only_s": problem.model.compute_only_s,
-        "fidelity_error": float(found.fidelity_error), "fidelity_budget": problem.budget,
-        "reference": problem.reference, "world_size": problem.model.world,
-        "buckets": [{"bucket": r.index, "parameters": r.parameters, "numel": r.numel, "config": r.config,
-                     "encode_s": r.encode_s, "comm_s": r.comm_s, "decode_s": r.decode_s,
-                     "wire_bytes": r.wire_bytes, "fidelity_error": r.fidelity_error} for r in rows],
-    }
-
-
-def render_tuning(summary: dict, rows, console) -> None:
-
-    s16 = summary["speedup_vs_16bit"]
-    console.print(f"[bold]Predicted best plan: {summary['description']}[/bold] "
-                  f"({summary['predicted_s'] * 1e3:.1f} ms/iteration at {summary['world_size']} workers; "
-                  f"compute-only floor {summary['compute_only_s'] * 1e3:.1f} ms)")
-    console.print(f"{summary['speedup_vs_fp32']:.2f}x vs fp32"
-                  + (f", {s16:.2f}x vs 16-bit" if s16 else "")
-                  + f"; fidelity error {summary['fidelity_error']:.3g} (budget {summary['fidelity_budget']:.3g}); "
-                  f"{summary['policy']}: {summary['evaluations']} plans in {summary['search_s']:.1f} s")
-    render_buckets(rows, console)
-
-
-def _read_json(path: str) -> dict:
-
-    data = read_json(path, "plan, profile or result")
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    return data
 
 
 @main.command("report")
@@ -344,47 +294,32 @@ def _read_json(path: str) -> dict:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def report_cmd(path, profile_path, png, as_json) -> None:
     """Explain a plan (per bucket, predicted on a profile), a profile, or an autotune result."""
-
     try:
-        data = _read_json(path)
-        kind = data.get("kind", "")
-        if kind == "compression-advisor/autotune-result":
-            result = AutotuneResult.from_dict(data)
+        document = read_document(path, accept=(Plan, ClusterProfile, AutotuneResult))
+        if isinstance(document, AutotuneResult):
             if png:
-                result.save_png(png)
+                document.save_png(png)
             if as_json:
-                click.echo(result.to_json())
+                click.echo(document.to_json())
             else:
-                from rich.console import Console
-
-                result.render(Console())
-            return
-        if kind == "compression-advisor/cluster-profile":
-            profile = ClusterProfile.from_dict(data)
+                document.render(Console())
+        elif isinstance(document, ClusterProfile):
             if as_json:
-                click.echo(profile.to_json())
+                click.echo(document.to_json())
             else:
-
-                render_profile(profile)
-            return
-        if "groups" in data or "default" in data:
-            plan = Plan.from_dict(data)
+                render_profile(document)
+        else:
             if profile_path is None:
                 raise ValueError("a plan is reported against a cluster profile: add --profile PROFILE")
             profile = ClusterProfile.load(profile_path)
-            plan.check_against(p.name for p in profile.compute.parameters)
-            import io
-
-            from rich.console import Console
-
-
-            # with --json the tables go nowhere: stdout carries the JSON only
-            console = Console(file=io.StringIO()) if as_json else Console()
-            summary = render_plan(plan, profile, console, png)
-            if as_json:
-                click.echo(json.dumps(summary, indent=2))
-            return
-        raise ValueError(f"{path} is not a plan, a cluster profile or an autotune result (kind {kind!r})")
+            document.check_against(p.name for p in profile.compute.parameters)
+            prediction = predict_plan(document, profile)
+            if as_json:  # stdout carries the JSON only
+                if png:
+                    prediction.timeline.save_png(png)
+                click.echo(json.dumps(prediction.to_dict(), indent=2))
+            else:
+                render_plan(prediction, Console(), png)
     except ValueError as exc:
         fail(str(exc))
 
@@ -406,7 +341,6 @@ def report_cmd(path, profile_path, png, as_json) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def validate_cmd(spec, plan_path, rate, steps, eval_every, sixteen, target, nproc, png, out_path, as_json) -> None:
     """Time to accuracy: fp32, 16-bit and the plan from the same start and batches."""
-    from rich.console import Console
 
 
     status = Console(stderr=True)
@@ -442,7 +376,6 @@ def validate_cmd(spec, plan_path, rate, steps, eval_every, sixteen, target, npro
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def bench_cmd(ranks, rates, models, rounds, steps, measurements, out_path, matched, as_json) -> None:
     """The end-to-end benchmark: the advisor's plan vs DDP fp32 and PyTorch's fp16 and PowerSGD hooks."""
-
     try:
         world_sizes = [int(x) for x in ranks.split(",")]
         if any(w < 1 for w in world_sizes):
@@ -458,7 +391,6 @@ def bench_cmd(ranks, rates, models, rounds, steps, measurements, out_path, match
             raise ValueError(f"--rounds={rounds} --steps={steps}; allowed: integers >= 1")
     except ValueError as exc:
         fail(str(exc) if "invalid literal" not in str(exc) else f"--ranks={ranks!r}; write e.g. 2,4")
-    from rich.console import Console
 
     console = Console(stderr=as_json)
     rows: list = []

@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import advisor
 from advisor.compressors import SegmentLayout
+from advisor.core.collectives import slowest
 
 from .compute import LossFn, profile_compute
 from .fidelity import bucket_layout, profile_fidelity
@@ -26,7 +27,7 @@ from .network import profile_network, reduction_dtypes_of
 from .profile import ClusterProfile, Environment, KernelCost, KernelProfile
 
 
-def _environment(ddp: DistributedDataParallel, group, note: str) -> Environment:
+def environment_of(ddp: DistributedDataParallel, group, note: str) -> Environment:
     world = dist.get_world_size(group)
     hosts: list[Any] = [None] * world
     dist.all_gather_object(hosts, socket.gethostname(), group=group)
@@ -44,13 +45,13 @@ def _environment(ddp: DistributedDataParallel, group, note: str) -> Environment:
     )
 
 
-def _slowest_kernels(local: KernelProfile, group) -> KernelProfile:
+def slowest_kernels(local: KernelProfile, group) -> KernelProfile:
     """Every rank measured its own kernels at the same time; keep the slowest, refit."""
     costs = {}
     for label, cost in local.costs.items():
-        points = torch.tensor(cost.points, dtype=torch.float64)
-        dist.all_reduce(points, op=dist.ReduceOp.MAX, group=group)
-        rows = points.tolist()
+        width = len(cost.points[0]) if cost.points else 0
+        flat = slowest([v for row in cost.points for v in row], group)
+        rows = [flat[i : i + width] for i in range(0, len(flat), width)]
         numels = [r[0] for r in rows]
         costs[label] = KernelCost(
             config=label,
@@ -89,7 +90,7 @@ def profile_cluster(
         raise RuntimeError("profile_cluster needs an initialised process group (torchrun, or advisor.testbed.launch)")
     say = progress or (lambda message: None)
     batches = list(batches) if not isinstance(batches, list) else batches
-    environment = _environment(ddp, group, note)
+    environment = environment_of(ddp, group, note)
     say(f"profiling compute: {warmup + steps} steps without communication")
     compute = profile_compute(ddp, loss_fn, batches, optimizer, steps=steps, warmup=warmup, group=group)
     if network:
@@ -105,7 +106,7 @@ def profile_cluster(
         say(f"timing {len(configs)} compressors' encode and decode on this device")
         device = next(ddp.module.parameters()).device
         local = profile_kernels(layouts, configs, world_size=environment.world_size, device=device)
-        kern = _slowest_kernels(local, group)
+        kern = slowest_kernels(local, group)
     if fidelity:
         say(f"replaying {fidelity_steps} steps of gradients through every compressor (fidelity)")
     fid = (

@@ -20,10 +20,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from advisor.core.collectives import slowest
+from advisor.core.collectives import every_rank, slowest
 from advisor.runtime.hook import sparse_parameters
 
 from .profile import Bucket, ComputeProfile, ParameterTiming
@@ -80,14 +79,6 @@ def ddp_buckets(ddp: DistributedDataParallel, loss_fn: LossFn, batch: Any) -> li
         buckets.append(current)
     by_name = dict(named)
     return [Bucket(i, b, sum(by_name[n].numel() for n in b)) for i, b in enumerate(buckets)]
-
-
-def _gather(value: float, group) -> list[float]:
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return [value]
-    out = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, torch.tensor([value], dtype=torch.float64), group=group)
-    return [float(t) for t in out]
 
 
 def layer_costs(ready: dict[str, float], order: list[str]) -> dict[str, float]:
@@ -204,7 +195,7 @@ def profile_compute(
         ],
         layer_backward_s=layer_backward,
         buckets=buckets,
-        backward_s_by_rank=_gather(local[1], group),
+        backward_s_by_rank=every_rank(local[1], group),
         copy_s_per_byte=copy_s_per_byte,
     )
 

@@ -28,10 +28,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from advisor.compressors import SegmentLayout, parse
+from advisor.core.collectives import mean_over_ranks, world_size
 from advisor.runtime.simulate import SimulatedRanks
 
 from .compute import LossFn
@@ -171,11 +171,8 @@ def fidelity_of(
         for label in labels:
             error, gain, update_error = replay(label, layout, stream, update, true_update) if stream else (0.0, 1.0, 0.0)
             values.extend((error, gain, update_error if update_error is not None else 0.0))
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    t = torch.tensor(values, dtype=torch.float64)
-    if world > 1:
-        dist.all_reduce(t, group=group)
-        t /= world
+    world = world_size(group)
+    t = mean_over_ranks(values, group)
     entries, k = [], 0
     for bucket in buckets:
         for label in labels:

@@ -157,8 +157,7 @@ def time_step_rounds(fit: CollectiveFit, nbytes: int = STEP_ROUND_BYTES, rounds:
         torch.mm(a, a)
     per_product = (time.perf_counter() - t0) / 20
     # the same work on every rank: the largest count any rank asks for
-    count = torch.tensor([max(1, round(work_s / max(per_product, 1e-9)))], dtype=torch.int64)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    count = int(slowest([max(1, round(work_s / max(per_product, 1e-9)))], group)[0])
     op = _op("all_reduce", nbytes, group)
     op()  # warm-up
     dist.barrier(group=group)

@@ -13,6 +13,7 @@ import json
 import numbers
 import types
 import typing
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
@@ -128,14 +129,45 @@ def read_json(path: str | Path, what: str = "document") -> Any:
         raise ValueError(f"{p}: {what} is not valid JSON: {exc}") from None
 
 
+#: every document kind this advisor reads: kind string -> its class (filled as each class is defined)
+DOCUMENT_KINDS: dict[str, type[JsonDocument]] = {}
+
+
 class JsonDocument:
     """JSON text and file I/O for a type with ``to_dict`` / ``from_dict``.
 
     ``from_dict`` does the validation; this adds the messages for text that is not JSON
-    and for files that do not exist, naming what was expected (``what``).
+    and for files that do not exist, naming what was expected (``what``).  A subclass that
+    sets ``KIND`` is registered in :data:`DOCUMENT_KINDS`, so :func:`read_document` can
+    read it from a file without being told what it holds.
     """
 
     what = "document"
+    KIND = ""
+    VERSION = 1
+    #: what to do with a document of another version
+    REDO = "create it again with this version"
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.KIND:
+            known = DOCUMENT_KINDS.setdefault(cls.KIND, cls)
+            if known is not cls and known.__qualname__ != cls.__qualname__:
+                raise TypeError(f"document kind {cls.KIND!r} is taken by {known.__qualname__}")
+            DOCUMENT_KINDS[cls.KIND] = cls
+
+    @classmethod
+    def check_header(cls, data) -> None:
+        """Raise ValueError unless ``data`` is an object of this class's kind and version."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a {cls.what} must be a JSON object, got {type(data).__name__}")
+        if data.get("kind") != cls.KIND:
+            raise ValueError(f"not a {cls.what}: 'kind' is {data.get('kind')!r}, expected {cls.KIND!r}")
+        if data.get("version") != cls.VERSION:
+            raise ValueError(
+                f"{cls.what} version {data.get('version')!r} is not supported (this advisor reads version "
+                f"{cls.VERSION}); {cls.REDO}"
+            )
 
     def to_dict(self) -> dict:  # pragma: no cover - provided by the subclass
         raise NotImplementedError
@@ -174,26 +206,33 @@ class VersionedDocument(JsonDocument):
     ``version`` fields defaulting to them.
     """
 
-    KIND = ""
-    VERSION = 1
-    #: what to do with a document of another version
-    REDO = "create it again with this version"
-
     def to_dict(self) -> dict:
         return to_jsonable(self)
 
     @classmethod
     def from_dict(cls, data):
-        if not isinstance(data, dict):
-            raise ValueError(f"a {cls.what} must be a JSON object, got {type(data).__name__}")
-        if data.get("kind") != cls.KIND:
-            raise ValueError(f"not a {cls.what}: 'kind' is {data.get('kind')!r}, expected {cls.KIND!r}")
-        if data.get("version") != cls.VERSION:
-            raise ValueError(
-                f"{cls.what} version {data.get('version')!r} is not supported (this advisor reads version "
-                f"{cls.VERSION}); {cls.REDO}"
-            )
+        cls.check_header(data)
         try:
             return from_jsonable(cls, data)
         except SchemaError as exc:
             raise ValueError(f"malformed {cls.what}: {exc}") from None
+
+
+def read_document(path: str | Path, accept: Sequence[type[JsonDocument]] | None = None) -> JsonDocument:
+    """The document in a JSON file, of whichever registered kind it declares.
+
+    ``accept`` limits the kinds (default: every kind in :data:`DOCUMENT_KINDS`); the error
+    for any other names what was accepted.
+    """
+    accept = list(accept) if accept is not None else list(DOCUMENT_KINDS.values())
+    names = [("an " if c.what[0] in "aeiou" else "a ") + c.what for c in accept]
+    expected = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+    data = read_json(path, accept[0].what if len(accept) == 1 else "document")
+    kind = data.get("kind") if isinstance(data, dict) else None
+    cls = DOCUMENT_KINDS.get(kind) if isinstance(kind, str) else None
+    if cls is None or cls not in accept:
+        raise ValueError(f"{path} is not {expected} (kind {kind!r})")
+    try:
+        return cls.from_dict(data)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None

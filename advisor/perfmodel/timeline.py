@@ -6,8 +6,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from advisor.core.documents import from_jsonable, to_jsonable
+from advisor.core.documents import VersionedDocument
 
+TIMELINE_KIND = "compression-advisor/timeline"
 TIMELINE_VERSION = 1
 
 
@@ -31,8 +32,12 @@ class BucketSpan:
 
 
 @dataclass
-class Timeline:
+class Timeline(VersionedDocument):
     """One iteration: forward, backward with its buckets, optimizer."""
+
+    what = "timeline"
+    KIND = TIMELINE_KIND
+    VERSION = TIMELINE_VERSION
 
     iteration_s: float
     forward_s: float
@@ -40,24 +45,13 @@ class Timeline:
     optimizer_s: float
     compute_only_s: float
     buckets: list[BucketSpan] = field(default_factory=list)
-    kind: str = "compression-advisor/timeline"
+    kind: str = TIMELINE_KIND
     version: int = TIMELINE_VERSION
 
     @property
     def exposed_comm_s(self) -> float:
         """Time the iteration waits for communication beyond the compute-only floor."""
         return max(0.0, self.iteration_s - self.compute_only_s)
-
-    def to_dict(self) -> dict:
-        return to_jsonable(self)
-
-    @classmethod
-    def from_dict(cls, data) -> Timeline:
-        if not isinstance(data, dict) or data.get("kind") != "compression-advisor/timeline":
-            raise ValueError("not a timeline: 'kind' must be 'compression-advisor/timeline'")
-        if data.get("version") != TIMELINE_VERSION:
-            raise ValueError(f"timeline version {data.get('version')!r} is not supported; expected {TIMELINE_VERSION}")
-        return from_jsonable(cls, data)
 
     # --- exports ------------------------------------------------------------------
     def chrome_trace(self) -> dict:

@@ -9,9 +9,6 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from advisor.perfmodel import PerformanceModel
-from advisor.runtime import Plan
-
 
 def render_profile(profile, console: Console | None = None) -> None:
     """Summarise a ClusterProfile: environment, compute, network fits, kernels, fidelity."""
@@ -170,49 +167,23 @@ def timeline_bars(timeline, width: int = 64) -> list[str]:
     return lines
 
 
-def render_plan(plan, profile, console: Console | None = None, png: str | None = None) -> dict:
-    """Per-bucket predictions of ``plan`` on ``profile``, next to the fp32 and 16-bit baselines."""
-
+def render_plan(prediction, console: Console | None = None, png: str | None = None) -> None:
+    """A :class:`advisor.tuning.prediction.PlanPrediction`: per bucket, the baselines, the timeline."""
     console = console or Console()
-    model = PerformanceModel(profile)
-    timeline = model.predict(plan)
-    base = {c: model.predict(Plan.uniform(c, warmup_steps=0)).iteration_s for c in ("none", "fp16", "bf16")
-            if c == "none" or (profile.kernels is not None and c in profile.kernels.costs)}
-    sixteen = min((base[c] for c in ("fp16", "bf16") if c in base), default=None)
-    fidelity = {}
-    if profile.fidelity is not None:
-        fidelity = {(e.bucket, e.config): e.relative_error for e in profile.fidelity.entries}
-    title = (f"Plan {plan.digest()} on {profile.environment.world_size} ranks ({profile.environment.note});\n"
+    title = (f"Plan {prediction.plan_digest} on {prediction.world_size} ranks ({prediction.where});\n"
              "#: bucket, par: parameters, size: elements, err: fidelity error (n/p: not profiled)")
-    rows, cells = [], []
-    for span, bucket in zip(timeline.buckets, model.buckets):
-        err = fidelity.get((bucket.index, span.config), 0.0 if span.config == "none" else None)
-        rows.append({"bucket": bucket.index, "parameters": len(bucket.parameters), "numel": bucket.numel,
-                     "config": span.config, "encode_s": span.encode_end_s - span.encode_start_s,
-                     "wait_s": span.wait_s, "comm_s": span.comm_end_s - span.comm_start_s,
-                     "decode_s": span.decode_end_s - span.comm_end_s, "wire_bytes": span.wire_bytes,
-                     "fidelity_error": err})
-        r = rows[-1]
-        cells.append([str(r["bucket"]), str(r["parameters"]), short_count(r["numel"]), wrappable(r["config"]),
-                      f"{r['encode_s'] * 1e3:.2f}", f"{r['wait_s'] * 1e3:.2f}", f"{r['comm_s'] * 1e3:.2f}",
-                      f"{r['decode_s'] * 1e3:.2f}", f"{r['wire_bytes'] / 1024:.0f}",
-                      f"{err:.2g}" if err is not None else "n/p"])
-    table = fitted_table(title, ("#", "par", "size", "compressor", "enc ms", "wait ms", "comm ms", "dec ms", "KiB",
-                                 "err"), cells, "compressor", console.width)
-    summary = {"plan_digest": plan.digest(), "predicted_s": timeline.iteration_s,
-               "compute_only_s": timeline.compute_only_s, "baselines_s": base,
-               "speedup_vs_fp32": base["none"] / timeline.iteration_s,
-               "speedup_vs_16bit": sixteen / timeline.iteration_s if sixteen else None, "buckets": rows,
-               "measured": plan.metadata.get("measured")}
-    console.print(table)
-    console.print(f"Predicted {timeline.iteration_s * 1e3:.1f} ms/iteration (compute-only floor "
-                  f"{timeline.compute_only_s * 1e3:.1f} ms): {summary['speedup_vs_fp32']:.2f}x vs fp32"
-                  + (f", {summary['speedup_vs_16bit']:.2f}x vs 16-bit" if sixteen else "") + ".")
-    trial = plan.metadata.get("accuracy")
-    summary["accuracy_checked"] = bool(trial)
-    console.print(f"Accuracy: checked, {trial}" if trial else
+    cells = [[str(r.bucket), str(r.parameters), short_count(r.numel), wrappable(r.config), f"{r.encode_s * 1e3:.2f}",
+              f"{r.wait_s * 1e3:.2f}", f"{r.comm_s * 1e3:.2f}", f"{r.decode_s * 1e3:.2f}", f"{r.wire_bytes / 1024:.0f}",
+              f"{r.fidelity_error:.2g}" if r.fidelity_error is not None else "n/p"] for r in prediction.buckets]
+    console.print(fitted_table(title, ("#", "par", "size", "compressor", "enc ms", "wait ms", "comm ms", "dec ms",
+                                       "KiB", "err"), cells, "compressor", console.width))
+    console.print(f"Predicted {prediction.predicted_s * 1e3:.1f} ms/iteration (compute-only floor "
+                  f"{prediction.compute_only_s * 1e3:.1f} ms): {prediction.speedup_vs_fp32:.2f}x vs fp32"
+                  + (f", {prediction.speedup_vs_16bit:.2f}x vs 16-bit" if prediction.speedup_vs_16bit else "") + ".")
+    console.print(f"Accuracy: checked, {prediction.accuracy}" if prediction.accuracy else
                   "Accuracy: this rests on a prediction no trial has checked; prove the plan with "
                   "`advisor validate --plan PLAN` (or let autotune trial it)")
+    timeline = prediction.timeline
     label = max([len(b.config) for b in timeline.buckets] + [0])
     for line in timeline_bars(timeline, width=max(20, min(64, console.width - 14 - label))):
         console.print(line, markup=False, highlight=False)
@@ -221,4 +192,3 @@ def render_plan(plan, profile, console: Console | None = None, png: str | None =
     if png:
         timeline.save_png(png)
         console.print(f"timeline plot written to {png}")
-    return summary

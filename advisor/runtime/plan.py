@@ -41,6 +41,9 @@ class Plan(JsonDocument):
     """A typed, versioned plan; see :meth:`to_dict` for the JSON form."""
 
     what = "plan"
+    KIND = PLAN_KIND
+    VERSION = PLAN_VERSION
+    REDO = "re-create the plan with this version"
 
     groups: list[PlanGroup] = field(default_factory=list)
     default: CompressorConfig = field(default_factory=lambda: CompressorConfig("none"))
@@ -137,17 +140,8 @@ class Plan(JsonDocument):
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
-        if not isinstance(data, Mapping):
-            raise ValueError(f"a plan must be a JSON object, got {type(data).__name__}")
-        kind = data.get("kind")
-        if kind != PLAN_KIND:
-            raise ValueError(f"not a plan: 'kind' is {kind!r}, expected {PLAN_KIND!r}")
-        version = data.get("version")
-        if version != PLAN_VERSION:
-            raise ValueError(
-                f"plan version {version!r} is not supported (this advisor reads version {PLAN_VERSION}); "
-                "re-create the plan with this version"
-            )
+        cls.check_header(data)
+        version = data["version"]
         extra = set(data) - {"kind", "version", "default", "warmup_steps", "seed", "groups", "metadata"}
         if extra:
             raise ValueError(f"plan has unknown field(s) {sorted(extra)}")

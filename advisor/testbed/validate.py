@@ -25,10 +25,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from advisor.core.collectives import slowest
 from advisor.core.documents import VersionedDocument, check_int
 from advisor.core.speedups import speedups
 from advisor.runtime import Plan, install
@@ -201,13 +200,11 @@ def _train_arm(workload, initial: dict, plan: Plan | None, batches: list, steps:
             opt.step()
             times.append(time.perf_counter() - t0)
             if step % eval_every == 0 or step in (steps, last):
-                mine = torch.tensor([trained + sum(times)], dtype=torch.float64)
+                mine = trained + sum(times)
                 trained += sum(times)
                 times.clear()
-                if dist.get_world_size(group) > 1:
-                    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
                 checkpoints.append(step)
-                seconds.append(float(mine))
+                seconds.append(slowest([mine], group)[0])
                 curve.append(evaluate_on_every_rank(evaluate, [model], metric, group)[0])
                 if step >= steps and (until is None or _reached(curve[-1][metric], *until)):
                     break  # the same all-reduced value on every rank: every rank stops here

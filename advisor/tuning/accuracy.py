@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from advisor.core.collectives import mean_over_ranks, rank, slowest, world_size
 from advisor.core.documents import check_int
 from advisor.runtime import Plan, install
 from advisor.tuning.live import LossFn, shadow_ddp
@@ -338,11 +339,7 @@ class AccuracyTrial:
 
     def _elapsed(self, t0: float) -> float:
         """Seconds since ``t0``, averaged over ranks (every rank must agree on when to stop)."""
-        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            dist.all_reduce(t, group=self.group)
-            t /= dist.get_world_size(self.group)
-        return float(t)
+        return mean_over_ranks([time.perf_counter() - t0], self.group)[0]
 
     def _checkpoint(self, models: Sequence[torch.nn.Module], initial: bool = False) -> list[float]:
         """The decisive metric of each model, averaged over ranks."""
@@ -365,8 +362,7 @@ def evaluate_on_every_rank(evaluate: Evaluator, models: Sequence[torch.nn.Module
     error names each failing rank and its exception.  ``require_finite``: a non-finite
     value counts as a failure of ``evaluate`` (on weights known to be finite).
     """
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    world, me = world_size(group), rank(group)
     found: list[dict[str, float]] = []
     problem = None
     for model in models:
@@ -383,17 +379,12 @@ def evaluate_on_every_rank(evaluate: Evaluator, models: Sequence[torch.nn.Module
     width = len(models) * len(keys)
     values = [m[k] for m in found for k in keys] if problem is None else []
     # every rank sends the same length: its values (or zeros), its key count, a flag per rank
-    count = torch.tensor([float(width)], dtype=torch.float64)
-    if world > 1:
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-    n = int(count)
+    n = int(slowest([width], group)[0])
     flags = [0.0] * world
-    flags[rank] = 1.0 if problem is not None or len(values) != n else 0.0
+    flags[me] = 1.0 if problem is not None or len(values) != n else 0.0
     if problem is None and len(values) != n:
         problem = f"it returned {len(keys)} metrics ({', '.join(keys)}), unlike another rank's"
-    t = torch.tensor((values if len(values) == n else [0.0] * n) + flags, dtype=torch.float64)
-    if world > 1:
-        dist.all_reduce(t, group=group)
+    t = mean_over_ranks((values if len(values) == n else [0.0] * n) + flags, group)
     failed = [r for r in range(world) if t[n + r] > 0]
     if failed:
         messages: list[Any] = [problem]
@@ -403,7 +394,7 @@ def evaluate_on_every_rank(evaluate: Evaluator, models: Sequence[torch.nn.Module
         detail = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
         raise ValueError(f"evaluate(model) failed ({detail}); it must return a dict of finite numbers including "
                          f"{metric!r}. Nothing of the model or optimizer changed")
-    averaged = (t[:n] / world).tolist()
+    averaged = t[:n]
     per = len(keys)
     return [dict(zip(keys, averaged[i * per : (i + 1) * per])) for i in range(len(models))]
 

@@ -1,0 +1,129 @@
+"""Draw tuning results: an autotune result, its accuracy trial, its buckets, a search's summary.
+
+Everything drawn here is computed by the library (:mod:`advisor.tuning.results`,
+:mod:`advisor.tuning.accuracy`); these functions only lay it out in rich or matplotlib.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from advisor.core.speedups import speedup
+from advisor.report.text import fitted_table, short_count, wrappable
+
+
+def render_result(result, console: Console | None = None) -> None:
+    """An :class:`advisor.tuning.results.AutotuneResult`: advice, why, measurements, trial, cost, buckets."""
+    console = console or Console()
+    verdict = "compress" if result.compress else "do not compress"
+    console.print(f"[bold]Advice ({result.where}, {result.world_size} ranks): {verdict}: "
+                  f"{result.description}[/bold]")
+    console.print(f"Why: {result.reason}")
+    table = Table(title="Measured live (interleaved rounds, slowest rank)")
+    for col, justify in (("plan", "left"), ("kind", "left"), ("ms/step", "right"), ("noise", "right"),
+                         ("predicted ms", "right"), ("vs fp32", "right")):
+        table.add_column(col, justify=justify)
+    fp32 = result.measured_s("fp32")
+    for m in sorted(result.measured, key=lambda m: m.median_s):
+        chosen = " <- chosen" if m.label == result.recommendation else ""
+        table.add_row(
+            (m.description or m.label) + chosen, m.kind, f"{m.median_s * 1e3:.1f}", f"±{m.noise:.1%}",
+            f"{m.predicted_s * 1e3:.1f}" if m.predicted_s else "-",
+            f"{speedup(fp32, m.median_s):.2f}x" if fp32 else "-",
+        )
+    console.print(table)
+    floor = result.predicted_s.get("compute_only")
+    if floor:
+        console.print(f"Compute-only floor (backward with communication off, measured by the profiler): "
+                      f"{floor * 1e3:.1f} ms/step")
+    s = result.speedup
+    console.print(
+        f"Speed-up of the advice: measured {s.get('measured_vs_fp32', float('nan')):.2f}x vs fp32, "
+        f"{s.get('measured_vs_16bit', float('nan')):.2f}x vs 16-bit; predicted "
+        f"{s.get('predicted_vs_fp32', float('nan')):.2f}x / {s.get('predicted_vs_16bit', float('nan')):.2f}x. "
+        f"Fidelity ({result.fidelity_measure}) error {result.fidelity_error:.3g}, budget {result.fidelity_budget:.3g}: "
+        + (result.budget_source or (f"the error of {result.reference} everywhere" if result.reference else "given"))
+    )
+    if result.accuracy is not None:
+        render_accuracy(result.accuracy, console)
+    console.print(
+        f"Cost: profile {result.seconds.get('profile', 0):.1f} s, accuracy trial "
+        f"{result.seconds.get('accuracy', 0):.1f} s, search {result.seconds.get('search', 0):.1f} s "
+        f"({result.policy}, {result.policy_evaluations} plans predicted), live measurement "
+        f"{result.seconds.get('measure', 0):.1f} s; total {result.seconds.get('total', 0):.1f} s"
+    )
+    if result.buckets:
+        render_buckets(result.buckets, console)
+
+
+def render_accuracy(report, console) -> None:
+    """The accuracy trial: each arm's fidelity error, gap behind fp32 and verdict."""
+    where = "held-out batches" if report.held_out else "the training batches (none held out)"
+    table = Table(title=f"Accuracy trial: {report.steps} steps from the current weights, {report.metric} on {where}")
+    for col, justify in (("plan", "left"), ("role", "left"), ("fidelity err", "right"),
+                         (f"final {report.metric}", "right"), ("gap vs fp32", "right"), ("verdict", "left")):
+        # text columns wrap; numbers never do
+        table.add_column(col, justify=justify, overflow="fold", no_wrap=justify == "right")
+
+    for arm in report.arms:
+        table.add_row(wrappable(arm.description), arm.kind,
+                      f"{arm.fidelity_error:.3g}" if arm.fidelity_error is not None else "-",
+                      f"{arm.values[-1]:.4g}", f"{arm.gap:+.2%}" if arm.gap is not None else "diverged",
+                      "pass" if arm.accepted else "REJECTED")
+    console.print(table)
+    console.print(f"Trial noise (two fp32 batch orders): {report.noise:.2%}; tolerance {report.tolerance:.2%}; "
+                  f"length: {report.length_reason}; {report.seconds:.1f} s")
+
+
+def save_measured_vs_predicted_png(result, path) -> None:
+    """Bars of each live-measured plan: measured (with its round spread) next to predicted."""
+    import matplotlib  # loaded only to draw: it takes seconds to import
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(result.measured, key=lambda m: m.median_s)
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 4))
+    measured = [m.median_s * 1e3 for m in rows]
+    spread = [[(m.median_s - min(m.round_s)) * 1e3 for m in rows], [(max(m.round_s) - m.median_s) * 1e3 for m in rows]]
+    ax.bar(x - 0.2, measured, 0.4, yerr=spread, capsize=3, label="measured (median, round range)")
+    ax.bar(x + 0.2, [(m.predicted_s or 0) * 1e3 for m in rows], 0.4, label="predicted")
+    floor = result.predicted_s.get("compute_only")
+    if floor:
+        ax.axhline(floor * 1e3, color="grey", ls=":", lw=1, label="compute-only floor")
+    ax.set_xticks(x, [("* " if m.label == result.recommendation else "") + (m.description or m.label)
+                      for m in rows], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("ms per step")
+    ax.set_title(f"{result.where}: measured vs predicted (* = advice)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def render_buckets(rows, console) -> None:
+    """Per bucket under the chosen plan: its compressor, the model's costs, bytes and fidelity error."""
+    cells = [[str(r.index), str(r.parameters), short_count(r.numel), wrappable(r.config), f"{r.encode_s * 1e3:.2f}",
+              f"{r.comm_s * 1e3:.2f}", f"{r.decode_s * 1e3:.2f}", f"{r.wire_bytes / 1024:.0f}",
+              f"{r.fidelity_error:.2g}"] for r in rows]
+    table = fitted_table("Per bucket (in the order backward produces them;\n#: bucket, par: parameters, size: "
+                         "elements, err: fidelity error)",
+                         ("#", "par", "size", "compressor", "enc ms", "comm ms", "dec ms", "KiB", "err"), cells,
+                         "compressor", console.width)
+    console.print(table)
+
+
+def render_search(summary: dict, rows, console) -> None:
+    """A search on a saved profile (``advisor tune``): the predicted best plan and its buckets."""
+    s16 = summary["speedup_vs_16bit"]
+    console.print(f"[bold]Predicted best plan: {summary['description']}[/bold] "
+                  f"({summary['predicted_s'] * 1e3:.1f} ms/iteration at {summary['world_size']} workers; "
+                  f"compute-only floor {summary['compute_only_s'] * 1e3:.1f} ms)")
+    console.print(f"{summary['speedup_vs_fp32']:.2f}x vs fp32"
+                  + (f", {s16:.2f}x vs 16-bit" if s16 else "")
+                  + f"; fidelity error {summary['fidelity_error']:.3g} (budget {summary['fidelity_budget']:.3g}); "
+                  f"{summary['policy']}: {summary['evaluations']} plans in {summary['search_s']:.1f} s")
+    render_buckets(rows, console)

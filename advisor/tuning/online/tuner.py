@@ -1,0 +1,361 @@
+"""Autotune online, inside the user's unchanged training loop, then keep watching.
+
+::
+
+    tuner = advisor.wrap(ddp_model, optimizer)      # before the first step
+    for x, y in loader:                             # the user's loop, unchanged
+        optimizer.zero_grad(); loss_fn(ddp_model(x), y).backward(); optimizer.step()
+
+The wrapper installs the compression hook (plan ``none`` at first) and drives itself from
+the model's forward calls, which every rank makes at the same step:
+
+1. **observe** (``observe_steps``): real training steps with fp32 all-reduce; gradient
+   ready times (post-accumulate hooks), forward/backward/step times and each bucket's
+   local gradients are recorded.
+2. **profile and search** (at the start of the next step, on every rank): the compute
+   profile comes from those observations, the network and compressor kernels are
+   measured briefly, fidelity is replayed on the captured gradients; rank 0 searches and
+   broadcasts the top plans.
+3. **trial**: each baseline (fp32 through the hook, 16-bit) and each top plan trains until
+   the median of its step times is known to ``trial_precision`` (its standard error, from
+   the median absolute deviation; at least ``trial_steps`` and at most ``max_trial_steps``
+   timed steps, after ``TRIAL_SETTLE`` warm-up steps and without outliers beyond five
+   deviations); the medians (slowest rank) decide under the do-no-harm rule, and the event
+   says how far the margin was from the noise.  Where ``loss_fn`` and ``batches`` are given
+   (and the optimizer), the plan that wins on speed must also pass the accuracy gate, the
+   same paired trial as :func:`advisor.autotune`'s (:mod:`advisor.tuning.accuracy`): shadow copies
+   from the current weights, with a clone of the optimizer, next to fp32 on those batches;
+   a rejected plan leaves the race and the next one is judged, down to fp32.
+4. **watch** (GraVAC-style): every ``watch_every`` steps the compression gain
+   ``||C(g)|| / ||g||`` of each compressed segment is measured on that step's gradients,
+   averaged over ranks and compared with the gain measured right after the decision; a
+   segment whose gain fell below ``backoff`` times that reference moves to the next less
+   compressing config (more bytes on the wire), down to fp16 and fp32.
+5. **loss watch**: where the loop reports its loss (``tuner.record_loss(loss)``, one line),
+   the losses of the uncompressed steps (observe, the baseline trials, or ``trend_steps``
+   fp32 steps before a given plan) fit a trend ``a + b·ln(step)``; every ``watch_every``
+   steps under compression, the window's mean loss (over ranks) is compared with the
+   trend's prediction, and two windows in a row above it by more than ``loss_z`` standard
+   errors back every compressed parameter off one level.  Every change is logged and kept
+   in :attr:`OnlineTuner.events`.
+
+All decisions are made from all-reduced numbers and rank 0's choices are broadcast, so
+every rank changes plans at the same step.  ``wrap(..., plan=...)`` skips 1-3 and only
+watches the given plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from advisor.compressors import parse
+from advisor.core.collectives import world_size
+from advisor.core.documents import check_int
+from advisor.runtime import Plan, install
+from advisor.tuning.accuracy import AccuracyTrial, check_evaluate
+from advisor.tuning.autotune import DEFAULT_CANDIDATES
+from advisor.tuning.online.observe import Observation
+from advisor.tuning.online.trial import Race
+from advisor.tuning.online.watch import Watch, is_lossy
+from advisor.tuning.steps import (
+    LazyTrial,
+    baseline_arms,
+    decide_for_accuracy,
+    search,
+    shared_profile,
+    short_list,
+    sixteen_bit_baseline,
+)
+from policies.do_no_harm import FP32
+from policies.optuna_search import OptunaPolicy
+from policies.problem import DEFAULT_REFERENCE, TuningProblem
+
+log = logging.getLogger("advisor.tuning.online")
+
+
+@dataclass
+class TunerEvent:
+    step: int
+    what: str
+    detail: str
+
+
+class OnlineTuner:
+    """The online autotuner on one rank: drives its phases from the model's forward calls.
+
+    Construct through :func:`wrap`.  The tuner owns the hook, the step count, the events and
+    the reported losses; each phase (:class:`Observation`, :class:`Race`, :class:`Watch`)
+    owns its own measurements.  Between them it takes the steps it shares with
+    :func:`advisor.autotune` (:mod:`advisor.tuning.steps`): profile, search, short-list,
+    then decide.
+    """
+
+    def __init__(self, ddp: DistributedDataParallel, optimizer=None, *, candidates: Sequence[str] | None = None,
+                 observe_steps: int = 8, trial_steps: int = 4, top: int = 2, trials: int = 500,
+                 watch_every: int = 50, backoff: float = 0.8, budget: float | None = None,
+                 plan: Plan | None = None, trial_precision: float = 0.02, max_trial_steps: int | None = None,
+                 loss_z: float = 3.0, trend_steps: int = 0, loss_fn=None, batches: Sequence | None = None,
+                 evaluate=None, held_out: Sequence | None = None, metric: str = "loss", trial_s: float = 40.0,
+                 trial_options: dict | None = None, group=None) -> None:
+        max_trial_steps = max_trial_steps if max_trial_steps is not None else 2 * trial_steps
+        _check_arguments(ddp, optimizer, observe_steps, trial_steps, top, trials, watch_every, backoff,
+                         trial_precision, max_trial_steps, trend_steps, loss_z, loss_fn, batches, trial_s, evaluate)
+        self._gate_args = None if batches is None else dict(
+            loss_fn=loss_fn, batches=list(batches), evaluate=evaluate, held_out=held_out, metric=metric,
+            time_budget_s=float(trial_s), **dict(trial_options or {}))
+        #: the accuracy trial's report, where the gate ran (``loss_fn`` and ``batches`` given)
+        self.accuracy = None
+        self.candidates = list(dict.fromkeys(parse(c).label for c in (candidates or DEFAULT_CANDIDATES)))
+        if budget is None and parse(DEFAULT_REFERENCE).label not in self.candidates:
+            # without a budget the reference's error sets it, as in autotune: it must be measured too
+            self.candidates.append(parse(DEFAULT_REFERENCE).label)
+        self.ddp, self.optimizer, self.group = ddp, optimizer, group
+        self.observe_steps, self.top, self.trials, self.budget = observe_steps, top, trials, budget
+        self._race_settings = dict(min_steps=trial_steps, max_steps=max_trial_steps, precision=trial_precision)
+        self._watch_settings = dict(every=watch_every, backoff=backoff, loss_z=loss_z)
+        self.world = world_size(group)
+        self.step = 0
+        self.events: list[TunerEvent] = []
+        #: (step, loss, under a lossy plan) of every loss the loop reported
+        self.losses: list[tuple[int, float, bool]] = []
+        self._optimizer_t0 = 0.0
+        self._in_step = False      # between the optimizer's step pre- and post-hook
+        self._closure_step = False  # this step's forward ran inside optimizer.step(closure)
+        self._update_marked = False
+        self._problem: TuningProblem | None = None  # the search's problem, for the accuracy gate
+
+        first = plan if plan is not None and trend_steps == 0 else Plan.uniform("none", warmup_steps=0)
+        self.hook = install(ddp, first, group=group)
+        if plan is None:
+            self._phase = Observation(ddp, self.hook)
+            self._phase.start()
+        else:
+            # the reference gain after DDP's bucket rebuild, and after the trend's fp32 steps
+            self._phase = self._watch(first_in=3 + trend_steps, pending=plan if trend_steps else None,
+                                      pending_at=trend_steps)
+            self._note("watch", f"watching the given plan {plan.digest()}" + (
+                f" after {trend_steps} fp32 steps that set the loss trend" if trend_steps else
+                " (no fp32 steps before it: the loss watch has no trend; pass trend_steps=N)"))
+        self._handles = [ddp.register_forward_pre_hook(self._on_forward_start),
+                         ddp.register_forward_hook(self._on_forward_end)]
+        if optimizer is not None:
+            self._handles.append(optimizer.register_step_pre_hook(self._optimizer_start))
+            self._handles.append(optimizer.register_step_post_hook(self._optimizer_end))
+
+    @property
+    def phase(self) -> str:
+        """``"observe"``, ``"trial"`` or ``"watch"``."""
+        return self._phase.name
+
+    @property
+    def plan(self) -> Plan:
+        return self.hook.plan
+
+    def record_loss(self, loss) -> None:
+        """Report this step's training loss (a float or a scalar tensor); feeds the loss watch.
+
+        Call once per training step on every rank, after the forward pass.
+        """
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        self.losses.append((self.step - 1, value, is_lossy(self.hook.plan)))
+
+    def update_starts(self) -> None:
+        """Mark the start of the optimizer's update, for loops that call ``optimizer.step(closure)``.
+
+        Lightning (automatic optimization) runs the forward and backward inside the closure, so
+        the step's pre-hook fires before them; call this right before the update (the Lightning
+        callback does, from ``on_before_optimizer_step``) so the update is timed alone.  Without
+        it such steps leave the update's time out of the profile.
+        """
+        if self._in_step:
+            self._optimizer_t0, self._update_marked = time.perf_counter(), True
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._phase.close()
+        self.hook.close()
+
+    # --- what the loop does: optimizer steps and forwards -----------------------------------
+    def _note(self, what: str, detail: str) -> None:
+        self.events.append(TunerEvent(self.step, what, detail))
+        log.info("step %d: %s: %s", self.step, what, detail)
+
+    def _optimizer_start(self, *args) -> None:
+        self._optimizer_t0 = time.perf_counter()
+        self._in_step, self._closure_step, self._update_marked = True, False, False
+
+    def _optimizer_end(self, *args) -> None:
+        self._in_step = False
+        # a closure step's pre-hook fired before its forward: only a marked update start times the update alone
+        if isinstance(self._phase, Observation) and (not self._closure_step or self._update_marked):
+            self._phase.optimizer_ran(time.perf_counter() - self._optimizer_t0)
+
+    # The model's forward may be compiled (torch.compile(ddp)): dynamo must call these hooks, not
+    # trace them, since they time, profile and run collectives.
+    @torch.compiler.disable
+    def _on_forward_end(self, module, args, output) -> None:
+        if torch.is_grad_enabled() and module.training and isinstance(self._phase, Observation):
+            self._phase.forward_ends(time.perf_counter())
+
+    @torch.compiler.disable
+    def _on_forward_start(self, module, args) -> None:
+        if not (torch.is_grad_enabled() and module.training):
+            return  # evaluation passes are not training steps
+        if self.ddp._join_config.enable:  # set by ddp.join(), DDP's Joinable protocol
+            raise RuntimeError(
+                "wrap cannot tune under ddp.join() (uneven inputs): its decisions are collectives that every rank "
+                "must reach at the same step, and a rank that joined early makes no more steps. Tune before the "
+                "loop with advisor.autotune, or install a plan (advisor.install): both work under join")
+        now = time.perf_counter()
+        if self._in_step:
+            self._closure_step = True
+        # the forward may run under the loop's autocast; the tuner's own work (profiling, fidelity
+        # replay, gains) is measured in the gradients' dtype, as the hook exchanges them
+        with _no_autocast():
+            if isinstance(self._phase, Observation):
+                if self._phase.step_starts(now) == self.observe_steps:
+                    self._profile_and_search()
+            elif isinstance(self._phase, Race):
+                if self._phase.step_starts(now):
+                    self._decide()
+            else:
+                self._phase.step_starts(self.step)
+        self.step += 1
+
+    # --- between the phases: the steps shared with autotune -----------------------------------
+    def _profile_and_search(self) -> None:
+        """Observation -> race: profile, search, short-list (every rank, at the same step)."""
+        t0 = time.perf_counter()
+        observation = self._phase
+        observation.stop()
+        profile = shared_profile(observation.profile(self.candidates, self.world, self.group), self.group)
+        problem = TuningProblem.from_profile(profile, self.candidates, budget=self.budget)
+        found = search(OptunaPolicy(n_trials=self.trials), problem, self.group)
+        arms = baseline_arms(problem, sixteen_bit_baseline(problem, self.optimizer)) + short_list(problem, found,
+                                                                                                  self.top)
+        self._problem = problem
+        self._phase = Race(arms, self.hook, group=self.group, **self._race_settings)
+        self._note("profiled", f"profile and search took {time.perf_counter() - t0:.1f} s; trying "
+                               f"{len(arms)} plans for {self._phase.min_steps} steps each")
+        self._phase.start(time.perf_counter())
+
+    def _decide(self) -> None:
+        """Race -> watch: do no harm on the race's medians, then the accuracy gate."""
+        race = self._phase
+        decision, checked, rejected = decide_for_accuracy(race.measurements(), self._accuracy_judge(race),
+                                                          group=self.group)
+        if checked:
+            self._note("accuracy", f"{decision.chosen} passed the {self.accuracy.steps}-step paired trial: {checked}")
+        elif self.accuracy is not None and decision.kind == FP32:
+            self._note("accuracy", "no plan faster than fp32 passed the paired trial; fp32 stands")
+        self.hook.set_plan(race.arms[decision.chosen].plan, reason=f"online decision: {decision.chosen}")
+        self._phase = self._watch(first_in=1)  # the reference gain on the next step
+        gain = 1 - 1 / decision.gain_vs_best_baseline if decision.gain_vs_best_baseline else 0.0
+        noise = decision.margin
+        if rejected and not decision.compress:
+            sure = f"sure on accuracy: {len(rejected)} faster plan(s) fell behind fp32 in the paired trial"
+        elif decision.compress:
+            sure = f"sure: {gain:.1%} faster, {gain / max(noise, 1e-9):.1f}x the noise ({noise:.1%})"
+        elif gain <= 0:
+            sure = f"sure: the best compressed plan is {-gain:.1%} slower"
+        else:
+            sure = (f"not sure: the best compressed plan is {gain:.1%} faster, within the noise ({noise:.1%}), "
+                    "so the baseline stands")
+        self._note("decided", f"{decision.reason} ({sure}; timed steps per plan: "
+                              + ", ".join(f"{k} {len(v)}" for k, v in race.times.items()) + ")")
+
+    def _accuracy_judge(self, race: Race):
+        """``judge(decision) -> ArmResult`` of the paired trial from the current weights, or None (no gate).
+
+        The trial starts (its two fp32 arms) only when a plan other than fp32 wins on speed.
+        """
+        if self._gate_args is None:
+            return None
+        args = dict(self._gate_args)
+        loss_fn, batches = args.pop("loss_fn"), args.pop("batches")
+        trial = LazyTrial(AccuracyTrial(self.ddp, loss_fn, batches, self.optimizer, group=self.group,
+                                        arms_expected=2 + len(race.arms) - 1, **args),
+                          self._problem, lambda msg: log.info("step %d: %s", self.step, msg))
+
+        def judge(decision):
+            arm = trial.judge_arm(race.arms[decision.chosen])
+            self.accuracy = trial.trial.report()
+            if not arm.accepted:
+                self._note("accuracy", f"{decision.chosen} rejected: {arm.reason}")
+            return arm
+
+        return judge
+
+    def _watch(self, **where) -> Watch:
+        return Watch(self.ddp, self.hook, self.candidates, losses=self.losses, note=self._note, group=self.group,
+                     **self._watch_settings, **where)
+
+
+def _check_arguments(ddp, optimizer, observe_steps, trial_steps, top, trials, watch_every, backoff, trial_precision,
+                     max_trial_steps, trend_steps, loss_z, loss_fn, batches, trial_s, evaluate) -> None:
+    """Refuse a bad argument before anything is installed, naming it and the allowed values."""
+    if not isinstance(ddp, DistributedDataParallel):
+        raise TypeError(f"wrap needs a DistributedDataParallel model, got {type(ddp).__name__}")
+    for name, value, minimum in (("observe_steps", observe_steps, 3), ("trial_steps", trial_steps, 2),
+                                 ("top", top, 1), ("trials", trials, 1), ("watch_every", watch_every, 1)):
+        check_int(name, value, minimum)
+    if backoff is not None and not 0 < backoff <= 10:
+        raise ValueError(f"backoff={backoff!r}; allowed: 0 < backoff <= 10 (a fraction of the reference gain), "
+                         "or None to watch the loss only")
+    if not 0 < trial_precision < 1:
+        raise ValueError(f"trial_precision={trial_precision!r}; allowed: 0 < trial_precision < 1 (relative)")
+    check_int("max_trial_steps", max_trial_steps, trial_steps)
+    check_int("trend_steps", trend_steps, 0)
+    if not loss_z > 0:
+        raise ValueError(f"loss_z={loss_z!r}; allowed: > 0 standard errors")
+    if (loss_fn is None) != (batches is None):
+        raise ValueError("the accuracy gate needs both loss_fn and batches (loss_fn(model, batch) -> loss, and "
+                         "batches of real training data to train the trial's shadow copies on); pass both, "
+                         "or neither to decide on speed alone")
+    if batches is not None and optimizer is None:
+        raise ValueError("the accuracy gate trains copies of the model with a clone of the training optimizer; "
+                         "pass it: wrap(ddp_model, optimizer, loss_fn=..., batches=...)")
+    if batches is not None and not list(batches):
+        raise ValueError("batches is empty; the accuracy gate needs at least one batch of real training data")
+    if not (isinstance(trial_s, (int, float)) and trial_s > 0):
+        raise ValueError(f"trial_s={trial_s!r}; allowed: > 0 seconds")
+    check_evaluate(evaluate)
+
+
+def _no_autocast():
+    """Autocast off on every device type that has it on (the tuner runs inside the user's forward)."""
+    stack = contextlib.ExitStack()
+    for device in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device):
+            stack.enter_context(torch.autocast(device, enabled=False))
+    return stack
+
+
+def wrap(ddp_model: DistributedDataParallel, optimizer=None, **kwargs) -> OnlineTuner:
+    """Autotune ``ddp_model`` online during the first steps of the user's own loop; see the module doc.
+
+    Args:
+        ddp_model: the user's DDP model; call on every rank before the first training step.
+        optimizer: the training optimizer (timed; cloned by the accuracy gate).
+        **kwargs: see :class:`OnlineTuner`: ``observe_steps``, ``trial_steps``, ``top``,
+            ``watch_every``, ``backoff``, ``candidates``, ``budget``, ``plan`` (only watch a
+            given plan), and for the accuracy gate ``loss_fn``, ``batches``, ``evaluate``,
+            ``held_out``, ``metric``, ``trial_s``.
+
+    Returns:
+        The :class:`OnlineTuner`: ``tuner.events`` say what it did and why, ``tuner.plan`` is
+        the plan in use, ``tuner.record_loss(loss)`` feeds the loss watch.
+
+    Raises:
+        TypeError, ValueError: a bad argument, naming it and the allowed values (before any step).
+        RuntimeError: at the first forward under ``ddp.join()``, on every rank.
+    """
+    return OnlineTuner(ddp_model, optimizer, **kwargs)

@@ -1,0 +1,204 @@
+"""Phase 4 of the online tuner: watch the plan in use, and back off where it loses."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from advisor.compressors import SegmentLayout, parse
+from advisor.compressors.registry import CompressorConfig
+from advisor.core.collectives import every_rank, fastest, mean_over_ranks, world_size
+from advisor.runtime import CompressionHook, Plan
+from advisor.runtime.simulate import SimulatedRanks
+from policies.baselines import BASELINES
+
+WATCH = "watch"
+
+
+def loss_trend(steps: Sequence[float], losses: Sequence[float]) -> tuple[float, float, float]:
+    """Least-squares ``loss = a + b·ln(step + 1)`` and the residuals' standard deviation: (a, b, sigma)."""
+    x = [math.log(s + 1) for s in steps]
+    n = len(x)
+    mx, my = sum(x) / n, sum(losses) / n
+    sxx = sum((xi - mx) ** 2 for xi in x)
+    b = sum((xi - mx) * (yi - my) for xi, yi in zip(x, losses)) / sxx if sxx > 0 else 0.0
+    b = min(b, 0.0)  # a trend that rises is no promise: hold the level instead
+    a = my - b * mx
+    resid = [yi - (a + b * xi) for xi, yi in zip(x, losses)]
+    sigma = math.sqrt(sum(r * r for r in resid) / max(1, n - 2))
+    return a, b, sigma
+
+
+def is_lossy(plan: Plan) -> bool:
+    """Whether the plan uses a config beyond the baselines: the loss watch follows those."""
+    return any(c.label not in BASELINES for c in plan.configs())
+
+
+class Watch:
+    """Every ``every`` steps, two checks that back the plan off one level where it loses.
+
+    **Gain** (GraVAC-style): the compression gain ``||C(g)|| / ||g||`` of each parameter under
+    a lossy config, measured on that step's gradients and averaged over ranks, against the
+    gain measured on the first watched step; a parameter whose gain fell below ``backoff``
+    times its reference moves to the candidate sending the fewest bytes among those
+    sending more.  **Loss**: the window's mean training loss (over ranks) against the trend
+    ``a + b·ln(step)`` fitted to the uncompressed steps' losses; two windows in a row above
+    it by more than ``loss_z`` standard errors back every compressed parameter off.
+
+    ``losses`` is the tuner's list of ``(step, loss, under a lossy plan)``; ``note(what,
+    detail)`` records an event.  ``first_in`` steps until the reference gain is measured
+    (DDP rebuilds its buckets in the first steps); ``pending`` is a plan to switch to at
+    step ``pending_at``, after the fp32 steps that set the loss trend.
+    """
+
+    name = WATCH
+
+    def __init__(self, ddp: DistributedDataParallel, hook: CompressionHook, candidates: Sequence[str], *,
+                 every: int, backoff: float | None, loss_z: float, losses: list[tuple[int, float, bool]],
+                 note: Callable[[str, str], None], first_in: int = 1, pending: Plan | None = None,
+                 pending_at: int = 0, group=None) -> None:
+        self.ddp, self.hook, self.candidates, self.group = ddp, hook, list(candidates), group
+        self.every, self.backoff, self.loss_z = every, backoff, loss_z
+        self.losses, self.note = losses, note
+        self.world = world_size(group)
+        self._countdown = first_in
+        self._pending, self._pending_at = pending, pending_at
+        #: each parameter's gain right after the plan was set, and on the step being watched
+        self._reference_gain: dict[str, float] = {}
+        self._gains: dict[str, float] = {}
+        self._gain_observer = None
+        self._watching = False
+        self._trend: tuple[float, float, float] | None = None
+        self._strikes = 0
+
+    @property
+    def plan(self) -> Plan:
+        return self.hook.plan
+
+    def step_starts(self, step: int) -> None:
+        if self._pending is not None and step == self._pending_at:
+            self.hook.set_plan(self._pending, reason="the given plan, after the fp32 steps of the loss trend",
+                               verify=False)
+            self._pending = None
+        if self._watching:
+            self._compare_gains()
+            self._check_loss(step)
+        self._countdown -= 1
+        if self._countdown <= 0:
+            self._measure_gains_on_this_step()
+            self._countdown = self.every
+
+    def close(self) -> None:
+        if self._gain_observer in self.hook.observers:
+            self.hook.observers.remove(self._gain_observer)
+
+    # --- the compression gain -------------------------------------------------------------
+    def _measure_gains_on_this_step(self) -> None:
+        sim = SimulatedRanks(1)
+
+        def measure_gain(layout: SegmentLayout, grad: torch.Tensor, config: CompressorConfig) -> None:
+            if not config.build().lossy:
+                return
+            plain = CompressorConfig(config.name, dict(config.params), error_feedback=False).build()
+            g = grad.detach().clone()
+            out = sim.exchange(plain, [g.clone()], layout)[0]
+            # per parameter, so the gains survive DDP regrouping parameters into buckets
+            for name, before, after in zip(layout.names, layout.views(g), layout.views(out)):
+                norm = float(before.norm())
+                self._gains[name] = float(after.norm()) / norm if norm > 0 else 1.0
+
+        self._gains = {}
+        self._gain_observer = measure_gain
+        self.hook.observers.append(measure_gain)
+        self._watching = True
+
+    def _compare_gains(self) -> None:
+        self._watching = False
+        self.close()
+        keys = sorted(self._gains)
+        if len(set(every_rank(len(keys), self.group))) > 1:
+            raise RuntimeError("ranks watched different segments; plans differ between ranks")
+        gains = dict(zip(keys, mean_over_ranks([self._gains[k] for k in keys], self.group))) if keys else {}
+        if not self._reference_gain:
+            self._reference_gain = dict(gains)
+            if gains:
+                by_config: dict[str, list[float]] = {}
+                for name, gain in gains.items():
+                    by_config.setdefault(self.plan.config_for(name).label, []).append(gain)
+                self.note("watch", "reference compression gain (median over parameters) " + ", ".join(
+                    f"{c}: {statistics.median(v):.3f}" for c, v in by_config.items()))
+            return
+        backoffs = {}
+        for name, gain in gains.items():
+            ref = self._reference_gain.get(name)
+            if self.backoff is not None and ref is not None and gain < self.backoff * ref:
+                backoffs[name] = (gain, ref)
+        if backoffs:
+            self._back_off(backoffs)
+
+    # --- the loss -----------------------------------------------------------------------
+    def _check_loss(self, step: int) -> None:
+        """Two watch windows in a row above the uncompressed steps' loss trend: back off one level."""
+        if not is_lossy(self.plan):
+            self._strikes = 0
+            return
+        lossy = [(s, loss) for s, loss, under in self.losses if under]
+        window = [(s, v) for s, v in lossy if s > step - self.every - 1]
+        baseline = [(s, v) for s, v, under in self.losses if not under and s >= 1]
+        # every rank takes part in the same collectives, whatever it recorded
+        n_base, n_window = (int(n) for n in fastest([len(baseline), len(window)], self.group))
+        if n_base < 4 or n_window < 1:
+            return
+        if self._trend is None:
+            mean = mean_over_ranks([v for _, v in baseline[-n_base:]], self.group)
+            self._trend = loss_trend([s for s, _ in baseline[-n_base:]], mean)
+        a, b, sigma = self._trend
+        window = window[-n_window:]
+        observed = mean_over_ranks([sum(v for _, v in window) / n_window], self.group)[0]
+        expected = sum(a + b * math.log(s + 1) for s, _ in window) / n_window
+        bound = expected + self.loss_z * sigma / math.sqrt(n_window)
+        self._strikes = self._strikes + 1 if observed > bound else 0
+        if self._strikes < 2:
+            return
+        self._strikes = 0
+        params = [n for n, _ in self.ddp.module.named_parameters()]
+        moves = {n: (0.0, 1.0) for n in params if self.plan.config_for(n).label not in ("none",)}
+        self.note("loss-watch", f"training loss {observed:.4g} over the last {n_window} steps vs {expected:.4g} "
+                                f"expected from the uncompressed steps' trend (bound {bound:.4g}, {self.loss_z:g} "
+                                "standard errors), two windows in a row")
+        self._back_off(moves, why="the loss fell behind its trend")
+
+    # --- backing off ----------------------------------------------------------------------
+    def _back_off(self, backoffs: dict[str, tuple[float, float]], why: str = "") -> None:
+        """``backoffs``: {parameter name: (gain, reference gain)}; one level less compression each."""
+        params = dict(self.ddp.module.named_parameters())
+        assignments = {n: self.plan.config_for(n).label for n in params}
+        moves: dict[tuple[str, str], list[float]] = {}
+        for name, (gain, ref) in backoffs.items():
+            current = self.plan.config_for(name)
+            softer = self._less_compression(current, SegmentLayout((name,), (tuple(params[name].shape),)))
+            assignments[name] = softer.label
+            moves.setdefault((current.label, softer.label), []).append(gain / ref)
+        new_plan = Plan.from_assignments({n: c for n, c in assignments.items() if c != "none"}, warmup_steps=0)
+        self.hook.set_plan(new_plan, reason="online back-off", verify=False)
+        self._reference_gain.clear()  # measured again under the new plan on the next watch
+        if why:
+            self.note("back-off", "; ".join(f"{a} -> {b} on {len(r)} parameter(s) ({why})"
+                                            for (a, b), r in moves.items()))
+            return
+        self.note("back-off", "; ".join(
+            f"{a} -> {b} on {len(r)} parameter(s) (gain fell to {min(r):.2f}-{max(r):.2f} of its reference; "
+            f"threshold {self.backoff:g})" for (a, b), r in moves.items()))
+
+    def _less_compression(self, current: CompressorConfig, layout: SegmentLayout) -> CompressorConfig:
+        """The candidate sending the fewest bytes among those sending more than ``current``."""
+        def wire(config: CompressorConfig) -> int:
+            return sum(w.nbytes for w in config.build().wire(layout, self.world))
+
+        mine = wire(current)
+        more = [c for c in (parse(c) for c in self.candidates) if wire(c) > mine]
+        return min(more, key=wire) if more else parse("none")

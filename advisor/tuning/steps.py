@@ -1,0 +1,206 @@
+"""The steps both tuners take, offline (:func:`advisor.autotune`) and online (:func:`advisor.wrap`).
+
+profile -> search -> short-list -> measure -> decide -> install.  The tuners differ in how
+they profile (dedicated steps, or observed training steps) and how they measure (a shadow
+copy, or the user's own steps); everything between and after is here, so a plan is
+searched, short-listed, judged and installed the same way by both.
+
+Every function is called on every rank in the same order.  Where one rank's choice must
+become everyone's (the search, the decision), rank 0's is broadcast.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from advisor.core.collectives import from_rank_zero, rank
+from advisor.runtime import Plan
+from advisor.tuning.accuracy import AccuracyTrial
+from policies import accuracy_gate as gate
+from policies.base import Policy, PolicyResult
+from policies.baselines import BASELINES
+from policies.baselines import SIXTEEN_BIT as SIXTEEN_BIT_CASTS
+from policies.do_no_harm import CANDIDATE, FP32, SIXTEEN_BIT, Decision, LiveMeasurement, decide
+from policies.problem import TuningProblem
+from profilers.profile import ClusterProfile
+from profilers.training_state import preferred_sixteen_bit
+
+log = logging.getLogger("advisor.tuning")
+
+
+@dataclass
+class Arm:
+    """One plan in the live race: its label, kind (fp32, 16-bit, candidate), plan and prediction."""
+
+    label: str
+    kind: str
+    plan: Plan
+    #: one config index per bucket of the tuning problem
+    choices: np.ndarray
+    description: str
+    predicted_s: float
+
+
+# --- 1. profile ---------------------------------------------------------------------------
+def shared_profile(profile: ClusterProfile, group=None) -> ClusterProfile:
+    """Rank 0's profile on every rank: every later step must start from the same numbers."""
+    return ClusterProfile.from_dict(from_rank_zero(profile.to_dict(), group))
+
+
+# --- 2. search ----------------------------------------------------------------------------
+def search(policy: Policy, problem: TuningProblem, group=None) -> PolicyResult:
+    """Rank 0 searches (the policy may be random); every rank gets its result."""
+    found = policy.search(problem) if rank(group) == 0 else None
+    return from_rank_zero(found, group)
+
+
+# --- 3. short-list ------------------------------------------------------------------------
+def sixteen_bit_baseline(problem: TuningProblem, optimizer=None) -> str | None:
+    """The 16-bit cast to race: the one predicted faster; on a tie (within 2%) the one the
+    optimizer prefers (:func:`profilers.training_state.preferred_sixteen_bit`).
+
+    Both send the same bytes, so measuring one saves cluster time on slow links.
+    """
+    casts = [c for c in SIXTEEN_BIT_CASTS if c in problem.configs]
+    if not casts:
+        return None
+    preferred = preferred_sixteen_bit(optimizer)
+    return min(casts, key=lambda c: float(problem.predict(problem.uniform(c))[0]) * (1 + 0.02 * (c != preferred)))
+
+
+def baseline_arms(problem: TuningProblem, sixteen: str | None) -> list[Arm]:
+    """fp32 (plan ``none``) and, where one is a candidate, the 16-bit cast everywhere."""
+    arms = [_arm(problem, "fp32", FP32, problem.uniform("none")[0], "fp32 (native DDP, no hook)")]
+    if sixteen is not None:
+        arms.append(_arm(problem, sixteen, SIXTEEN_BIT, problem.uniform(sixteen)[0], f"{sixteen} everywhere"))
+    return arms
+
+
+def short_list(problem: TuningProblem, found: PolicyResult, top: int, *, diverse: bool = False,
+               label: Callable[[int, str], str] | None = None) -> list[Arm]:
+    """The search's ``top`` distinct plans as candidate arms, leaving out any that is a baseline.
+
+    ``diverse`` adds the fastest feasible uniform compressed plan: neighbours of one plan tend
+    to share the model's blind spots.  ``label(i, description)`` names the i-th candidate
+    (from 1); by default its description.
+    """
+    ranked = list(found.top(top))
+    if diverse:
+        uniform = [problem.uniform(c)[0] for c in problem.configs if c not in BASELINES]
+        uniform = [u for u in uniform if problem.feasible(u[None, :])[0]]
+        ranked += [min(uniform, key=lambda u: float(problem.predict(u[None, :])[0]))] if uniform else []
+    seen = {problem.uniform(c)[0].tobytes() for c in problem.baselines()}
+    arms: list[Arm] = []
+    for choices in ranked:
+        if choices.tobytes() in seen:
+            continue
+        seen.add(choices.tobytes())
+        description = problem.describe(choices)
+        name = label(len(arms) + 1, description) if label is not None else description
+        arms.append(_arm(problem, name, CANDIDATE, choices, description))
+    return arms
+
+
+def _arm(problem: TuningProblem, label: str, kind: str, choices: np.ndarray, description: str) -> Arm:
+    plan = Plan.uniform(label if kind == SIXTEEN_BIT else "none", warmup_steps=0) if kind != CANDIDATE \
+        else problem.plan(choices, warmup_steps=0)
+    return Arm(label, kind, plan, choices, description, float(problem.predict(choices[None, :])[0]))
+
+
+# --- 5. decide ----------------------------------------------------------------------------
+def decide_for_accuracy(measured: Sequence[LiveMeasurement], judge: Callable[[Decision], Any] | None, *,
+                        min_gain: float = 0.0, group=None) -> tuple[Decision, str, list[str]]:
+    """Do no harm for speed, then for accuracy: the decision and why its accuracy stands.
+
+    Every rank calls it with the same measurements; rank 0's decision is broadcast.  Only the
+    plan do-no-harm chooses is judged (``judge(decision) -> ArmResult``, the accuracy trial);
+    a rejected one leaves the race and the choice falls to the next, down to fp32, which
+    needs no trial.  Returns ``(decision, accepted_reason, rejected_reasons)``;
+    ``accepted_reason`` is "" when nothing was judged, and the decision's reason names every
+    rejection with its numbers.
+    """
+    measured = list(measured)
+    rejected: list[str] = []
+    checked = ""
+    while True:
+        mine = decide(measured, min_gain=min_gain)
+        decision = from_rank_zero(mine, group)
+        if decision.chosen != mine.chosen:
+            log.warning("rank %d would have chosen %s; following rank 0's decision (%s)", rank(group),
+                        mine.chosen, decision.chosen)
+        if judge is None or decision.kind == FP32:
+            break
+        arm = judge(decision)
+        if arm.accepted:
+            decision.reason += f"; accuracy: {arm.reason}"
+            checked = arm.reason
+            break
+        rejected.append(arm.reason)
+        measured = [m for m in measured if m.label != decision.chosen]
+    if rejected:
+        decision.reason = decision.reason.replace("no compressed candidate was measured",
+                                                  "no measured compressed candidate passed the accuracy trial")
+        decision.reason += "; rejected for accuracy: " + "; ".join(rejected)
+    return decision, checked, rejected
+
+
+def fidelity_error(problem: TuningProblem, choices) -> float:
+    return float(problem.fidelity_error(np.asarray(choices)[None, :])[0])
+
+
+class LazyTrial:
+    """The accuracy trial, started on first use; remembers every plan's verdict by its choices.
+
+    Its fp32 pair costs steps on the cluster; when nothing needs proving (no compressed plan
+    can pay and fp32 stays the fastest) it never runs.
+    """
+
+    def __init__(self, trial: AccuracyTrial, problem: TuningProblem, say: Callable[[str], None]) -> None:
+        self.trial, self.problem, self.say = trial, problem, say
+        self.arms: dict[bytes, Any] = {}
+        self.started = False
+
+    def ensure_started(self):
+        """The trial's report, after running its fp32 pair if that has not happened yet."""
+        if not self.started:
+            self.say("accuracy trial: fp32 twice, in two batch orders")
+            self.trial.start()
+            self.started = True
+        return self.trial.report()
+
+    def judge(self, label: str, plan: Plan, choices, kind: str, description: str):
+        key = np.asarray(choices).tobytes()
+        if key not in self.arms:
+            self.ensure_started()
+            self.arms[key] = self.trial.trial(label, plan, kind, description, fidelity_error(self.problem, choices))
+        return self.arms[key]
+
+    def judge_arm(self, arm: Arm):
+        """The verdict on a raced arm (a 16-bit cast is judged as one)."""
+        kind = gate.SIXTEEN_BIT if arm.kind == SIXTEEN_BIT else gate.CANDIDATE
+        return self.judge(arm.label, arm.plan, arm.choices, kind, arm.description)
+
+    def report(self, budget: float, budget_source: str):
+        if not self.started:
+            return None
+        report = self.trial.report()
+        report.budget, report.budget_reason = budget, budget_source
+        report.fidelity_measure = self.problem.fidelity_measure
+        return report
+
+
+# --- 6. install ---------------------------------------------------------------------------
+def final_plan(problem: TuningProblem, arm: Arm, *, warmup_steps: int, metadata: dict[str, Any]) -> Plan:
+    """The plan to train with: the chosen candidate after ``warmup_steps`` uncompressed steps,
+    a 16-bit cast from the start, or plan ``none`` marked native (no hook is needed)."""
+    if arm.kind == CANDIDATE:
+        return problem.plan(arm.choices, warmup_steps=warmup_steps,
+                            metadata={**metadata, "description": arm.description})
+    if arm.kind == SIXTEEN_BIT:
+        return Plan.uniform(arm.label, warmup_steps=0, metadata=metadata)
+    return Plan.uniform("none", warmup_steps=0, metadata={**metadata, "native": True})
