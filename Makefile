@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(PYTHON) benchmarks/compressors.py
 	$(PYTHON) benchmarks/hook_overhead.py
 	$(PYTHON) benchmarks/kernel_model.py
+	$(PYTHON) benchmarks/kernel_choices.py
 	$(PYTHON) benchmarks/perfmodel_speed.py
 	$(PYTHON) benchmarks/policy_speed.py
 	$(VENV)/bin/advisor bench --out bench.json --measurements measurements.json

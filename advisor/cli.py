@@ -28,6 +28,7 @@ from advisor.testbed.workloads import build_workload, load_factory
 from advisor.tuning.prediction import predict_plan
 from advisor.tuning.results import AutotuneResult, bucket_rows, search_summary
 from advisor.tuning.whatif import budget_evidence, what_if
+from policies.baselines import SIXTEEN_BIT
 from policies.greedy import GreedyPolicy
 from policies.optuna_search import OptunaPolicy
 from policies.problem import TuningProblem
@@ -331,7 +332,7 @@ def report_cmd(path, profile_path, png, as_json) -> None:
 @click.option("--rate", default=None, help="Emulated link rate, e.g. 100mbit (root); default: loopback.")
 @click.option("--steps", default=300, show_default=True, help="Training steps per arm.")
 @click.option("--eval-every", type=int, default=None, help="Steps between evaluations (default: steps/20).")
-@click.option("--sixteen", type=click.Choice(["fp16", "bf16"]), default=None,
+@click.option("--sixteen", type=click.Choice(SIXTEEN_BIT), default=None,
               help="The 16-bit cast trained as the strong baseline (default: bf16 for Adam-like optimizers, "
                    "else fp16).")
 @click.option("--target", type=float, default=None, help="Metric value to time every arm to (default: fp32's final).")

@@ -82,9 +82,28 @@ def profile_cluster(
     note: str = "",
     progress=None,
 ) -> ClusterProfile:
-    """Profile compute, network, kernels and fidelity; call on every rank.
+    """Profile compute, network, kernels and fidelity; call on every rank at the same point.
 
-    ``progress(message)`` hears each stage as it starts.
+    Args:
+        ddp: the job's DDP model; its weights, gradients and optimizer state end as they began.
+        loss_fn: ``loss_fn(model, batch) -> loss``.
+        batches: training batches (cycled where fewer than the steps).
+        optimizer: the training optimizer (its step is timed; fidelity replays its update).
+        configs: the compressor configs to time and replay.
+        steps, warmup: timed compute steps, after untimed ones.
+        network, kernels, fidelity: which parts to measure (a part left out is None).
+        fidelity_steps: steps of gradients replayed through every config.
+        network_budget_s: the most seconds the network profile may take.
+        network_reuse_s: reuse a network profile this process measured within that many seconds.
+        note: where this runs, kept in the profile's environment.
+        progress: ``progress(message)`` hears each stage as it starts.
+
+    Returns:
+        The same :class:`ClusterProfile` on every rank (each time is the slowest rank's).
+
+    Raises:
+        RuntimeError: no initialised process group.
+        TypeError, ValueError: a bad argument, naming it.
     """
     if not dist.is_initialized():
         raise RuntimeError("profile_cluster needs an initialised process group (torchrun, or advisor.testbed.launch)")

@@ -120,10 +120,22 @@ def profile_compute(
     warmup: int = 3,
     group=None,
 ) -> ComputeProfile:
-    """Profile compute on every rank (call it on all ranks at the same point).
+    """Time forward, backward (per parameter), optimizer and copies, without communication.
 
-    ``loss_fn(model, batch)`` runs the forward pass and returns the loss; ``batches`` are
-    cycled if there are fewer than ``warmup + steps``.
+    Call on every rank at the same point.
+
+    Args:
+        ddp: the DDP model; steps run under ``no_sync`` and its state is restored after.
+        loss_fn: ``loss_fn(model, batch) -> loss``, the forward pass.
+        batches: cycled if there are fewer than ``warmup + steps``.
+        optimizer: timed when given (its state is restored after).
+        steps, warmup: timed steps, after untimed ones.
+
+    Returns:
+        A :class:`ComputeProfile` with the slowest rank's medians and DDP's buckets.
+
+    Raises:
+        TypeError: not a DDP model.  ValueError: bad step counts or no batches.
     """
     if not isinstance(ddp, DistributedDataParallel):
         raise TypeError(f"profile_compute needs a DistributedDataParallel model, got {type(ddp).__name__}")
@@ -132,8 +144,44 @@ def profile_compute(
     batch_list = list(itertools.islice(iter(batches), warmup + steps))
     if not batch_list:
         raise ValueError("profile_compute got no batches")
-    feed = itertools.cycle(batch_list)
     named = _named_trainable(ddp.module)
+    fwd, bwd, opt, ready_runs, buckets = _local_steps(ddp, loss_fn, batch_list, optimizer, named, warmup, steps)
+    keep = steady_steps(bwd)
+    fwd, bwd, opt = ([series[i] for i in keep] for series in (fwd, bwd, opt))
+    ready_runs = [ready_runs[i] for i in keep]
+    names = [n for n, _ in named]
+    local = [statistics.median(fwd), statistics.median(bwd), statistics.median(opt), copy_rate(named)]
+    # median ready times (robust to one slow step), slowest rank per parameter
+    local += [statistics.median(run[n] for run in ready_runs) for n in names]
+    merged = slowest(local, group)
+    forward_s, backward_s, optimizer_s, copy_s_per_byte = merged[:4]
+    ready = dict(zip(names, merged[4:]))
+    # layer costs from the median ready times add up to the last gradient's ready time;
+    # medians of per-step layer costs would not (each step's jitter lands on other layers)
+    layer_backward = layer_costs(ready, names)
+    by_name = dict(named)
+    return ComputeProfile(
+        forward_s=forward_s,
+        backward_s=backward_s,
+        optimizer_s=optimizer_s,
+        steps=len(bwd),  # the steps kept (see steady_steps)
+        parameters=[
+            ParameterTiming(n, layer_of(n), by_name[n].numel(), list(by_name[n].shape), ready[n]) for n in names
+        ],
+        layer_backward_s=layer_backward,
+        buckets=buckets,
+        backward_s_by_rank=every_rank(local[1], group),
+        copy_s_per_byte=copy_s_per_byte,
+    )
+
+
+def _local_steps(ddp, loss_fn, batch_list, optimizer, named, warmup: int, steps: int):
+    """This rank's timed steps without communication (``no_sync``), weights and optimizer restored.
+
+    Returns the forward, backward and optimizer seconds and each parameter's gradient-ready
+    time (from the backward's start) of the steps after ``warmup``, and DDP's buckets.
+    """
+    feed = itertools.cycle(batch_list)
     stamps: dict[str, float] = {}
     handles = [
         p.register_post_accumulate_grad_hook(lambda _p, _n=name: stamps.__setitem__(_n, time.perf_counter()))
@@ -169,35 +217,7 @@ def profile_compute(
         finally:
             for h in handles:
                 h.remove()
-
-    keep = steady_steps(bwd)
-    fwd, bwd, opt = ([series[i] for i in keep] for series in (fwd, bwd, opt))
-    ready_runs = [ready_runs[i] for i in keep]
-    names = [n for n, _ in named]
-    local = [statistics.median(fwd), statistics.median(bwd), statistics.median(opt), copy_rate(named)]
-    # median ready times (robust to one slow step), slowest rank per parameter
-    local += [statistics.median(run[n] for run in ready_runs) for n in names]
-    merged = slowest(local, group)
-    forward_s, backward_s, optimizer_s, copy_s_per_byte = merged[:4]
-    ready = dict(zip(names, merged[4:]))
-    # Layer costs from those ready times, so they add up to the last gradient's ready time.
-    # (Medians of per-step layer costs did not add up: their sum drifted 10% from the
-    # backward time on the small CNN, one way or the other, from step to step jitter.)
-    layer_backward = layer_costs(ready, names)
-    by_name = dict(named)
-    return ComputeProfile(
-        forward_s=forward_s,
-        backward_s=backward_s,
-        optimizer_s=optimizer_s,
-        steps=len(bwd),  # the steps kept (see steady_steps)
-        parameters=[
-            ParameterTiming(n, layer_of(n), by_name[n].numel(), list(by_name[n].shape), ready[n]) for n in names
-        ],
-        layer_backward_s=layer_backward,
-        buckets=buckets,
-        backward_s_by_rank=every_rank(local[1], group),
-        copy_s_per_byte=copy_s_per_byte,
-    )
+    return fwd, bwd, opt, ready_runs, buckets
 
 
 def copy_rate(named, repeats: int = 5) -> float:

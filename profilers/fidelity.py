@@ -134,9 +134,24 @@ def profile_fidelity(
     group=None,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> FidelityProfile:
-    """Per bucket and config, errors and gain on real gradients, averaged over ranks.
+    """Per bucket and config, the error and gain of compressing the job's real gradients.
 
-    With ``optimizer``, the update error is measured too (see the module docstring).
+    Call on every rank at the same point.
+
+    Args:
+        ddp: the DDP model; the replay steps run under ``no_sync``, its state restored after.
+        loss_fn: ``loss_fn(model, batch) -> loss``.
+        batches: the batches whose gradients are replayed.
+        buckets: DDP's buckets (from the compute profile).
+        configs: the compressor configs replayed, each with its own error feedback.
+        steps: how many steps of gradients.
+        optimizer: with it, the update error through a clone of it too (see the module docstring).
+
+    Returns:
+        A :class:`FidelityProfile`, averaged over ranks.
+
+    Raises:
+        ValueError: an unknown config, naming the allowed ones.
     """
     grads = capture_gradients(ddp, loss_fn, batches, buckets, steps)
     streams = [[step[b] for step in grads] for b in range(len(buckets))]

@@ -58,7 +58,22 @@ def profile_kernels(
     ladder: Sequence[int] = (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22),
     repeats: int = 5,
 ) -> KernelProfile:
-    """Measure every config on ``layouts`` and on the ``ladder`` sizes; fit a size model."""
+    """Time every config's encode and decode on this device, and fit their cost by size.
+
+    Args:
+        layouts: the buckets' layouts (each is timed at its own size).
+        configs: the compressor configs.
+        world_size: the ranks a decode combines (it sets what an all-gather's decode sees).
+        device: where the kernels run.
+        ladder: more sizes (elements), so the fit covers buckets of other models.
+        repeats: timings per size (the median counts).
+
+    Returns:
+        A :class:`KernelProfile` of this rank (:func:`profilers.cluster.slowest_kernels` merges ranks).
+
+    Raises:
+        ValueError: an unknown config, naming the allowed ones.
+    """
     samples = list(layouts) + [square_layout(n) for n in ladder]
     costs = {}
     for spec in configs:

@@ -11,8 +11,8 @@ messages (which carry the latency) count as much as large ones.
 Each timed op also records the CPU time the rank's process spent while it ran (all
 threads, user and system: gloo's threads and the kernel's network stack; the calling
 thread only waits), fitted the same way: on a host that computes on its CPU, that time
-is taken from a backward pass the collective overlaps.  (Measured here over loopback, a
-16 MB all-reduce took 17 ms and 14 ms of CPU; at 1 Gbit/s, 141 ms and 11 ms of CPU.)
+is taken from a backward pass the collective overlaps (over loopback, most of an
+all-reduce's time is CPU time; ``advisor report PROFILE`` shows it per collective).
 """
 
 from __future__ import annotations
@@ -143,9 +143,8 @@ def time_step_rounds(fit: CollectiveFit, nbytes: int = STEP_ROUND_BYTES, rounds:
     The fits time ops back to back after a barrier: every rank arrives at once, with its
     communication threads awake.  In a step each round follows compute of its own (an
     encode, a stretch of backward), so the ranks arrive apart, as their compute varies,
-    and a waiting rank's threads wake from idle.  Measured on the emulated cluster at
-    1 Gbit/s: a 4 KiB all-reduce took 0.3 ms back to back and 2.1 ms on average right
-    after 2 ms of compute; the performance model charges the difference to every message
+    and a waiting rank's threads wake from idle, so a small op takes several times longer
+    than back to back; the performance model charges the difference to every message
     round of a plan.  Here every rank runs the same matrix products for about ``work_s``,
     then the op, ``rounds`` times; the result is the trimmed mean wait (the most any rank
     saw) less what ``fit`` predicts, and never below 0.
@@ -198,9 +197,9 @@ def _robust_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
 
     Points are weighted ~1/time, so every size counts about equally in relative terms and
     small messages (which carry the latency) are not drowned by large ones.  A point
-    weighted by its own time can outweigh everything else, though: a 0.3 ms small op
-    among 4 ms ones (both happen here, depending on whether a rank's threads were awake)
-    once fitted a 100 Mbit/s link at 1.1 Gbit/s.  So a second fit weights by an
+    weighted by its own time can outweigh everything else, though: one fast small op
+    among slow ones (depending on whether a rank's threads were awake) once fitted a
+    100 Mbit/s link at ten times its rate.  So a second fit weights by an
     unweighted first fit's prediction instead, which no single point sets, and the
     self-weighted fit stands only where it explains the points about as well (R²).
     """
@@ -267,10 +266,24 @@ def profile_network(
 ) -> NetworkProfile:
     """Measure and fit every collective; call on every rank at the same point.
 
-    Then, if the budget allows, what summing each of ``reduction_dtypes`` costs over
-    float32 (:func:`time_reductions`).  ``reuse_within_s > 0`` returns the profile this
-    process measured on the same ranks, backend, collectives and dtypes at most that many
-    seconds ago, where every rank still has one (one small collective decides).
+    Args:
+        group: the process group (default: the world).
+        collectives: which to measure, of ``all_reduce``, ``all_gather`` and ``broadcast``.
+        min_bytes, max_bytes: the message sizes, doubling from one to the other.
+        repeats: timings per size (the median counts).
+        max_op_s: stop growing a collective's sizes once one op takes this long.
+        budget_s: the most seconds the whole profile may take.
+        reduction_dtypes: dtypes whose all-reduce sum is timed against float32's
+            (:func:`time_reductions`), if the budget allows.
+        reuse_within_s: above 0, return the profile this process measured on the same ranks,
+            backend, collectives and dtypes at most that many seconds ago, where every rank
+            still has one (one small collective decides).
+
+    Returns:
+        A :class:`NetworkProfile`: a latency/bandwidth fit per collective (slowest rank).
+
+    Raises:
+        RuntimeError: no initialised process group.
     """
     key = (tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)),
            str(dist.get_backend(group)), tuple(collectives), tuple(reduction_dtypes))

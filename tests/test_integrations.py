@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from events import event_kinds
 
 from advisor.testbed.launch import free_port
 
@@ -112,7 +113,7 @@ def test_lightning_wrap_tunes_online_and_decides_on_every_rank(lightning_fits):
     _ranks_agree(runs)
     for r in runs:
         assert any(e.startswith("decided") for e in r["events"]), r["events"]
-    assert _kinds(runs[0]["events"]) == _kinds(runs[1]["events"]) and runs[0]["plan"] == runs[1]["plan"]
+    assert event_kinds(runs[0]["events"]) == event_kinds(runs[1]["events"]) and runs[0]["plan"] == runs[1]["plan"]
 
 
 @needs_lightning
@@ -203,8 +204,3 @@ def test_accelerate_refuses_a_single_process_accelerator_and_names_the_launch():
         prepared_ddp(Accelerator(cpu=True), torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="expected the Accelerator that prepared the model"):
         prepared_ddp(object(), torch.nn.Linear(2, 2))
-
-
-def _kinds(events: list[str]) -> list[str]:
-    """What each event was, in order (their details carry rank-local timings, like "took 0.2 s")."""
-    return [e.split(":", 1)[0] for e in events]

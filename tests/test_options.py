@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from events import event_kinds
 
 from advisor.testbed.launch import launch_local
 
@@ -100,7 +101,7 @@ def test_wrap_tunes_inside_the_loop_and_watches_a_plan_under(wrapped, case):
             assert r["error"] is None, f"{mode}, rank {rank}: {r['error']}"
             assert r["ranks_agree"], f"{mode}: ranks ended with different parameters"
             assert all(math.isfinite(v) for v in r["losses"]), r["losses"]
-        assert _kinds(runs[0]["events"]) == _kinds(runs[1]["events"]) and runs[0]["plan"] == runs[1]["plan"]
+        assert event_kinds(runs[0]["events"]) == event_kinds(runs[1]["events"]) and runs[0]["plan"] == runs[1]["plan"]
     assert any(e.startswith("decided") for e in wrapped[0][f"{case}, tune"]["events"])
 
 
@@ -148,8 +149,3 @@ def test_sparse_gradients_cross_uncompressed_like_pytorchs_own_hook_and_the_tune
         assert r["autotune"]["searched_numel"] == 8 * 4 + 4, "only the dense head is searched"
         assert "decided" in r["wrap"]["events"] and r["wrap"]["ranks_agree"]
     assert ranks[0]["autotune"]["advice"] == ranks[1]["autotune"]["advice"]
-
-
-def _kinds(events: list[str]) -> list[str]:
-    """What each event was, in order (their details carry rank-local timings, like "took 0.2 s")."""
-    return [e.split(":", 1)[0] for e in events]

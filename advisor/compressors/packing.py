@@ -106,9 +106,9 @@ def pack_lanes(codes: torch.Tensor, lane_bits: int, out: torch.Tensor) -> torch.
     used as scratch (shifted in place) when it holds exactly ``out.numel()`` words of lanes.
 
     Lane-major: with ``W`` words, word ``w`` holds codes ``w, w + W, w + 2W, ...``, so the
-    shift and the sum run over whole contiguous rows of ``W`` codes.  (The interleaved
-    layout, codes ``7w .. 7w + 6`` in word ``w``, made torch reduce 7-element rows: 2.2x
-    slower to pack and 2.8x slower to unpack, measured on 1M codes.)
+    shift and the sum run over whole contiguous rows of ``W`` codes; the interleaved layout
+    (codes ``7w .. 7w + 6`` in word ``w``) makes torch reduce 7-element rows, which is slower
+    (benchmarks/kernel_choices.py).
     """
     lanes = lanes_per_word(lane_bits)
     words = out.numel()

@@ -48,11 +48,10 @@ _RANK1_UPDATES_MIN_NUMEL = 1 << 18
 def outer_product_(p: torch.Tensor, qt: torch.Tensor, out: torch.Tensor, subtract: bool = False) -> torch.Tensor:
     """``out = p·qt``, or ``out -= p·qt`` with ``subtract``; ``p`` is (n, r), ``qt`` (r, m).
 
-    Why not always one matmul: on CPU, BLAS sgemm with an inner dimension of 2 to 4 on an
-    out-of-cache matrix runs far below memory speed (measured here on 2048x1024 at rank 4:
-    1.29 ms, against 0.64 ms for four rank-1 updates, and 1.49 ms against 0.29 ms at rank
-    2), while BLAS ger streams the matrix at memory speed.  Small matrices, higher ranks
-    and accelerators keep the matmul, which wins there.
+    Why not always one matmul: on the CPU this was tuned on, BLAS sgemm with an inner
+    dimension of 2 to 4 on an out-of-cache matrix ran far below memory speed while BLAS ger
+    streamed it; that depends on the CPU and BLAS (benchmarks/kernel_choices.py times both
+    forms).  Small matrices, higher ranks and accelerators keep the matmul.
     """
     r = p.shape[1]
     if p.device.type != "cpu" or r > _RANK1_UPDATES_MAX_RANK or out.numel() < _RANK1_UPDATES_MIN_NUMEL:
@@ -75,11 +74,11 @@ _TRANSPOSED_PROJECTION_MIN_RANK = 4
 def project_(mat: torch.Tensor, qt: torch.Tensor, out: torch.Tensor, ctx=None) -> torch.Tensor:
     """``out = mat·qtᵀ`` (n x r) for ``mat`` (n, m) and ``qt`` (r, m).
 
-    Why two forms: the BLAS on this kind of CPU picks its kernel by the output's layout,
-    and for rank 4 and up the (r, n) product ``Q Mᵀ`` runs 1.4-2x faster than the (n, r)
-    product ``M Qᵀ`` (measured, caches flushed: 2048x1024 at rank 4 0.80 vs 1.17 ms, rank 8
-    0.96 vs 1.84 ms), while at ranks 1-3 ``M Qᵀ`` is as fast or faster.  The transposed
-    form is computed into a small (r, n) scratch buffer and copied into place.
+    Why two forms: the BLAS of the CPU this was tuned on picks its kernel by the output's
+    layout, and from rank 4 the (r, n) product ``Q Mᵀ`` ran faster there than the (n, r)
+    product ``M Qᵀ``; that depends on the CPU and BLAS (benchmarks/kernel_choices.py times
+    both).  The transposed form is computed into a small (r, n) scratch buffer and copied
+    into place.
     """
     r = qt.shape[0]
     if mat.device.type != "cpu" or r < _TRANSPOSED_PROJECTION_MIN_RANK:

@@ -8,7 +8,7 @@ which error feedback needs (see :func:`quantize_rows`).
 Performance on CPU: eager PyTorch makes one memory pass per operation, and quantisation
 takes about eight.  Work therefore goes in blocks of rows small enough to stay in cache
 (``BLOCK_ROWS`` x 1024 values, 4 MiB of fp32), so only the first read and the last write
-of each value touch DRAM; measured here that halves encode time on a 16M bucket.  Buffers
+of each value touch DRAM (benchmarks/compressors.py times the result).  Buffers
 are reused from step to step (fresh pages cost more than the arithmetic).
 """
 
@@ -355,9 +355,9 @@ class IntQuant(Compressor):
         words = ctx.buffer("words", lane_words(numel, lane), torch.int64, inp.device)
         work = ctx.buffer("block", block_rows * CHUNK, torch.float32, inp.device)
         unsigned = ctx.buffer("lanes", block_rows * CHUNK, torch.int64, inp.device)
-        # float <-> int64 goes through int32: two conversions cost half of one direct one
-        # on CPU (1M values: 0.25 vs 0.50 ms to int64, 0.24 vs 0.30 ms back)
-        # (lanes of 32 bits and more, i.e. beyond 2**23 ranks at 8 bits, convert directly)
+        # float <-> int64 goes through int32, which was the faster path on the CPU this was
+        # tuned on (benchmarks/kernel_choices.py times both); lanes of 32 bits and more
+        # (beyond 2**23 ranks at 8 bits) convert directly
         narrow_dtype = torch.int32 if lane < 32 else torch.int64
         narrow = ctx.buffer("lanes-narrow", block_rows * CHUNK, narrow_dtype, inp.device)
         generator = rounding_generator(ctx, layout, inp.device)

@@ -62,7 +62,11 @@ REGISTRY: dict[str, Entry] = {
 
 
 def available() -> dict[str, dict[str, str]]:
-    """Every compressor name with its parameters and their allowed values."""
+    """Every compressor the advisor knows, for listings and scripts.
+
+    Returns:
+        ``{name: {parameter: allowed values}}``, e.g. ``{"topk": {"ratio": "0 < ratio <= 1"}}``.
+    """
     return {name: {p: spec.allowed for p, spec in e.params.items()} for name, e in REGISTRY.items()}
 
 
@@ -142,7 +146,20 @@ _CALL = re.compile(r"^\s*([a-z0-9_]+)\s*(?:\((.*)\)|:(.*))?\s*$")
 
 
 def parse(text: str | CompressorConfig | Mapping[str, Any]) -> CompressorConfig:
-    """Read a config from ``"topk(ratio=0.01)"``, ``"topk:0.01"``, ``"fp16"`` or a dict."""
+    """Read a compressor config from its text or dict form.
+
+    Args:
+        text: ``"topk(ratio=0.01)"``, ``"topk:0.01"``, ``"powersgd(4, no-ef)"`` (unnamed values
+            fill the parameters in order; ``ef``/``no-ef`` set error feedback), ``"fp16"``,
+            a dict (the JSON form), or a config (returned as it is).
+
+    Returns:
+        The validated :class:`CompressorConfig`.
+
+    Raises:
+        ValueError: text that cannot be read, an unknown compressor or parameter, or a
+            value outside what the parameter allows; each names the allowed ones.
+    """
     if isinstance(text, CompressorConfig):
         return text
     if isinstance(text, Mapping):
@@ -174,4 +191,15 @@ def parse(text: str | CompressorConfig | Mapping[str, Any]) -> CompressorConfig:
 
 
 def build(config: str | CompressorConfig | Mapping[str, Any]) -> Compressor:
+    """A ready compressor from a config in any form :func:`parse` reads.
+
+    Args:
+        config: the config, as text, dict or :class:`CompressorConfig`.
+
+    Returns:
+        A new :class:`advisor.compressors.Compressor` (its state lives in the hook, not in it).
+
+    Raises:
+        ValueError: as :func:`parse`.
+    """
     return parse(config).build()

@@ -150,7 +150,7 @@ class JsonDocument:
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        if cls.KIND:
+        if "KIND" in cls.__dict__ and cls.KIND:  # a subclass that inherits its kind reads as its parent
             known = DOCUMENT_KINDS.setdefault(cls.KIND, cls)
             if known is not cls and known.__qualname__ != cls.__qualname__:
                 raise TypeError(f"document kind {cls.KIND!r} is taken by {known.__qualname__}")
@@ -188,10 +188,12 @@ class JsonDocument:
         return cls.from_dict(data)
 
     def save(self, path: str | Path) -> None:
+        """Write the JSON form to ``path``."""
         Path(path).write_text(self.to_json() + "\n")
 
     @classmethod
     def load(cls, path: str | Path):
+        """Read one from a JSON file; errors name the file and the bad field."""
         data = read_json(path, cls.what)
         try:
             return cls.from_dict(data)
@@ -221,8 +223,16 @@ class VersionedDocument(JsonDocument):
 def read_document(path: str | Path, accept: Sequence[type[JsonDocument]] | None = None) -> JsonDocument:
     """The document in a JSON file, of whichever registered kind it declares.
 
-    ``accept`` limits the kinds (default: every kind in :data:`DOCUMENT_KINDS`); the error
-    for any other names what was accepted.
+    Args:
+        path: the JSON file.
+        accept: the document classes allowed (default: every kind in :data:`DOCUMENT_KINDS`).
+
+    Returns:
+        An instance of the class registered for the file's ``kind``.
+
+    Raises:
+        ValueError: a missing file, text that is not JSON, a kind not accepted (naming those
+            that are), or a malformed document (naming the file and the field).
     """
     accept = list(accept) if accept is not None else list(DOCUMENT_KINDS.values())
     names = [("an " if c.what[0] in "aeiou" else "a ") + c.what for c in accept]

@@ -85,6 +85,14 @@ class CheckpointedHook:
 def install(accelerator: Accelerator, model, plan: Plan | Mapping[str, Any] | str) -> CompressionHook:
     """Install a saved plan on the prepared model; every process calls it.
 
+    Args:
+        accelerator: the multi-process :class:`accelerate.Accelerator`.
+        model: the model ``accelerator.prepare`` returned.
+        plan: a :class:`~advisor.runtime.Plan`, its dict, or the path of its JSON file.
+
+    Returns:
+        The installed hook, registered so ``save_state``/``load_state`` keep every rank's residuals.
+
     Raises:
         ValueError: no DDP model (the message names Accelerate's set-up), or an invalid plan
             (on every process, before the first step).
@@ -95,24 +103,46 @@ def install(accelerator: Accelerator, model, plan: Plan | Mapping[str, Any] | st
 
 
 def autotune(accelerator: Accelerator, model, loss_fn, batches: Sequence[Any], optimizer=None, **options: Any):
-    """:func:`advisor.autotune` on the prepared model; returns ``(result, hook)``.
+    """:func:`advisor.autotune` on the prepared model; every process calls it.
 
-    ``loss_fn(model, batch) -> loss`` and ``batches`` as for :func:`advisor.autotune` (batches on
-    the accelerator's device); ``options`` are its keyword arguments.  ``hook`` is None where
-    the advice is native fp32.
+    Args:
+        accelerator: the multi-process :class:`accelerate.Accelerator`.
+        model: the model ``accelerator.prepare`` returned.
+        loss_fn: ``loss_fn(model, batch) -> loss``, as for :func:`advisor.autotune`.
+        batches: training batches on the accelerator's device.
+        optimizer: the prepared optimizer (its torch optimizer is used).
+        **options: more keyword arguments of :func:`advisor.autotune`.
+
+    Returns:
+        ``(result, hook)``: the :class:`~advisor.tuning.results.AutotuneResult` and the
+        installed hook (registered for checkpoints), or None where the advice is native fp32.
+
+    Raises:
+        ValueError: no DDP model (the message names Accelerate's set-up), or a bad argument
+            of autotune, on every process before any work.
     """
-    result = advisor.autotune(prepared_ddp(accelerator, model), loss_fn, batches, torch_optimizer(optimizer),
-                              **options)
-    hook = result.hook
-    if hook is not None:
-        accelerator.register_for_checkpointing(CheckpointedHook(hook))
-    return result, hook
+    tuned = advisor.autotune(prepared_ddp(accelerator, model), loss_fn, batches, torch_optimizer(optimizer),
+                             **options)
+    if tuned.hook is not None:
+        accelerator.register_for_checkpointing(CheckpointedHook(tuned.hook))
+    return tuned.document(), tuned.hook
 
 
 def wrap(accelerator: Accelerator, model, optimizer=None, **options: Any):
-    """:func:`advisor.wrap` on the prepared model; returns the online tuner.
+    """:func:`advisor.wrap` on the prepared model, before the first step; every process calls it.
 
-    Call ``tuner.record_loss(loss)`` once a step for the loss watch, as with ``advisor.wrap``.
+    Args:
+        accelerator: the multi-process :class:`accelerate.Accelerator`.
+        model: the model ``accelerator.prepare`` returned.
+        optimizer: the prepared optimizer (its torch optimizer is timed).
+        **options: more keyword arguments of :func:`advisor.wrap`.
+
+    Returns:
+        The :class:`~advisor.tuning.online.OnlineTuner`; its hook is registered for
+        checkpoints.  Call ``tuner.record_loss(loss)`` once a step for the loss watch.
+
+    Raises:
+        ValueError: no DDP model, or a bad argument of wrap, before any step.
     """
     tuner = advisor.wrap(prepared_ddp(accelerator, model), torch_optimizer(optimizer), **options)
     accelerator.register_for_checkpointing(CheckpointedHook(tuner.hook))

@@ -192,7 +192,8 @@ class CompressionCallback(Callback):
         optimizer = _the_optimizer(trainer)
         if self.tune == "autotune":
             loss_fn, batches = self._tuning_data(trainer, pl_module)
-            self.result, self.hook = _autotune(ddp, loss_fn, batches, optimizer, self.options)
+            tuned = advisor.autotune(ddp, loss_fn, batches, optimizer, **self.options)
+            self.result, self.hook = tuned.document(), tuned.hook
         else:
             gate = {}
             if self.accuracy_gate:
@@ -230,11 +231,6 @@ class CompressionCallback(Callback):
             loss_fn = training_step_loss(pl_module, trainer.precision_plugin.train_step_context)
         batches = list(self.batches) if self.batches is not None else _first_batches(trainer, self.tune_batches)
         return loss_fn, batches
-
-
-def _autotune(ddp, loss_fn, batches, optimizer, options):
-    result = advisor.autotune(ddp, loss_fn, batches, optimizer, **options)
-    return result, result.hook
 
 
 def _ddp_of(trainer) -> DistributedDataParallel:

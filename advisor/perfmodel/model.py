@@ -22,7 +22,7 @@ and decode):
 Every message round also costs ``round_s`` beyond the network fit: the fits time ops back
 to back, with the ranks arriving together and their threads awake, while in a step each
 round follows compute of its own, so ranks arrive apart and wake from idle.  The network
-profiler measures it (``NetworkProfile.round_s``, about 2 ms on the emulated cluster).
+profiler measures it (``NetworkProfile.round_s``).
 
 Two calibration terms are learned from measured step times by
 :meth:`PerformanceModel.calibrate`, not guessed: ``overlap`` stretches the

@@ -10,9 +10,8 @@ strictly in job order, waiting between the rounds of one exchange; only the *fin
 of an exchange is left in flight while later jobs are issued, so consecutive buckets still
 overlap.  The worker never blocks on a final round while it could issue a new job: a
 finished collective wakes it through its future, and it decodes finished rounds oldest
-first.  (Blocking on the oldest final round held back the next bucket's first round until
-that round ended: on the MLP at 1 Gbit/s a 16-bit first bucket delayed the second bucket's
-PowerSGD round by up to 6 ms a step.)  What a final round's completion might still send
+first: blocking on the oldest final round would hold back the next bucket's first round
+until that round ended.  What a final round's completion might still send
 (the non-finite fallback) is held back and issued at the iteration's end, after every
 regular collective, in job order: the issue order is a function of the bucket order alone,
 identical on all ranks.

@@ -150,8 +150,15 @@ class CompressionHook:
 
         Residuals stay with their parameters when the new config also uses error feedback;
         otherwise they are added to that parameter's next gradient, so no update is lost.
-        ``verify`` compares the plan's digest across ranks (one small collective) and
-        raises on every rank if they differ.
+
+        Args:
+            plan: a :class:`Plan`, its dict, or the path of its JSON file.
+            reason: kept in :attr:`plan_history` and logged.
+            verify: compare the plan's digest across ranks (one small collective).
+
+        Raises:
+            ValueError: a malformed plan, one naming parameters the model lacks, or (with
+                ``verify``) ranks given different plans; on every rank, the plan unchanged.
         """
         plan = as_plan(plan)
         plan.check_against(self._names.values())
@@ -189,6 +196,12 @@ class CompressionHook:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved, under the same plan.
+
+        Raises:
+            ValueError: another state version, another plan's state, or parameters this
+                model does not have; nothing is changed.
+        """
         if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
             got = state.get("version") if isinstance(state, Mapping) else type(state).__name__
             raise ValueError(f"hook state version {got!r} is not supported; expected {STATE_VERSION}")
@@ -248,9 +261,19 @@ class CompressionHook:
 def compression_hook(state: CompressionHook, bucket):  # no annotations: DDP checks them by value
     """DDP comm hook: encode the bucket, hand its collectives to the ordered channel.
 
-    The returned future yields the bucket's mean gradient.
+    Register it with ``ddp.register_comm_hook(state, compression_hook)`` (what :func:`install`
+    does, after checking the plan on every rank).
 
-    (DDP looks the second argument up by the name ``bucket``.)
+    Args:
+        state: the :class:`CompressionHook` holding the plan, the residuals and the channel.
+        bucket: DDP's ``GradBucket`` (DDP passes it by the name ``bucket``).
+
+    Returns:
+        A ``torch.futures.Future`` that yields the bucket's mean gradient.
+
+    Raises:
+        RuntimeError: through the future, where a collective or a compressor failed; the
+            message names the bucket and the step.
     """
     # make_job encodes here, on the thread that runs backward, as PyTorch's own hooks do:
     # encoding competes with backward for the device either way, and on CPU a second busy

@@ -73,12 +73,32 @@ class Plan(JsonDocument):
     # --- construction -------------------------------------------------------------
     @classmethod
     def uniform(cls, compressor: str | CompressorConfig, **kwargs: Any) -> Plan:
-        """Every parameter uses ``compressor``."""
+        """A plan where every parameter uses ``compressor``.
+
+        Args:
+            compressor: a config in any form :func:`advisor.parse` reads (``"fp16"``, ...).
+            **kwargs: more fields: ``warmup_steps`` (uncompressed steps first; default 10),
+                ``seed``, ``metadata``.
+
+        Raises:
+            ValueError: an unreadable or invalid config, naming the allowed ones.
+        """
         return cls(groups=[], default=parse(compressor), **kwargs)
 
     @classmethod
     def from_assignments(cls, assignments: Mapping[str, str | CompressorConfig], **kwargs: Any) -> Plan:
-        """From ``{parameter name: compressor}``; names with equal configs share a group."""
+        """A plan from ``{parameter name: compressor}``; the rest use the default (``none``).
+
+        Names with equal configs share a group.
+
+        Args:
+            assignments: parameter names (those of ``ddp_model.module``) to configs in any
+                form :func:`advisor.parse` reads.
+            **kwargs: more fields, as for :meth:`uniform` (and ``default``).
+
+        Raises:
+            ValueError: an invalid config, naming the allowed ones.
+        """
         grouped: dict[CompressorConfig, list[str]] = {}
         for name, cfg in assignments.items():
             grouped.setdefault(parse(cfg), []).append(name)
@@ -86,6 +106,7 @@ class Plan(JsonDocument):
 
     # --- queries ------------------------------------------------------------------
     def config_for(self, parameter: str) -> CompressorConfig:
+        """The config of one parameter (by its name in ``ddp_model.module``)."""
         return self._by_name.get(parameter, self.default)
 
     def runs(self, names: Sequence[str], shapes: Sequence[tuple[int, ...]]):
@@ -183,7 +204,18 @@ def _describe(names: Any) -> str:
 
 
 def as_plan(plan: Plan | Mapping[str, Any] | str | Path) -> Plan:
-    """A Plan from a Plan, its dict form, or a path to its JSON file."""
+    """The plan in any form a user may hold it.
+
+    Args:
+        plan: a :class:`Plan`, its dict form, or the path of its JSON file.
+
+    Returns:
+        The validated :class:`Plan`.
+
+    Raises:
+        ValueError: a malformed plan, naming the field and the fix (a file's errors name the file).
+        TypeError: anything else.
+    """
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, Mapping):

@@ -111,6 +111,46 @@ def guarded_exchange(
         grad.copy_(work)
         return
 
+    scanned_finite, inp = _compressor_input(compressor, grad, layout, residuals, ctx)
+    inner = compressor.exchange(inp, grad, layout, compressor_state, ctx)
+    message = next(inner)
+    if compressor.detects_nonfinite and ctx.nonfinite is None:
+        raise RuntimeError(f"compressor {compressor.name} declares detects_nonfinite but did not set ctx.nonfinite")
+    ctx.pending_add = None
+    # the first message carries one more value: this rank's flag for a non-finite input
+    locally_bad = scanned_finite is False or bool(ctx.nonfinite)
+    flagged = Message(_with_flag(message, ctx, locally_bad), message.collective, message.last, ctx.workspace)
+    combined = yield flagged
+    if message.collective is Collective.ALL_GATHER:
+        any_nonfinite = bool((combined[:, -1] != 0).any())
+        combined = combined[:, :-1]
+    else:
+        any_nonfinite = bool(combined[-1] != 0)
+        combined = combined[:-1]
+
+    if any_nonfinite:
+        inner.close()
+        yield from _uncompressed_instead(compressor, grad, layout, residuals, ctx, locally_bad, on_nonfinite)
+        return
+    try:
+        while True:
+            message = inner.send(combined)
+            if message.workspace is None:
+                message.workspace = ctx.workspace
+            combined = yield message
+    except StopIteration:
+        pass
+    if not is_finite(grad):
+        _skip_nonfinite_mean(compressor, grad, layout, residuals, ctx, on_nonfinite)
+
+
+def _compressor_input(compressor: Compressor, grad: torch.Tensor, layout: SegmentLayout,
+                      residuals: ResidualStore | None, ctx: ExchangeContext) -> tuple[bool | None, torch.Tensor]:
+    """(whether the scan found ``grad`` finite, or None where the compressor detects it; its input).
+
+    The input is the gradient plus the residual (error feedback), or zeros where the gradient
+    is not finite: nothing non-finite may reach a compressor or a residual.
+    """
     # Compressors that reduce the input anyway (scales, P = MQ) report non-finite values
     # themselves; for the others one fast scan decides before anything is touched.
     scanned_finite = None if compressor.detects_nonfinite else is_finite(grad)
@@ -127,63 +167,50 @@ def guarded_exchange(
     ctx.keep_residual = residuals is not None and scanned_finite is not False
     ctx.nonfinite = None
     ctx.first_payload = None
+    return scanned_finite, inp
 
-    inner = compressor.exchange(inp, grad, layout, compressor_state, ctx)
-    message = next(inner)
-    if compressor.detects_nonfinite and ctx.nonfinite is None:
-        raise RuntimeError(f"compressor {compressor.name} declares detects_nonfinite but did not set ctx.nonfinite")
-    ctx.pending_add = None
-    locally_bad = scanned_finite is False or bool(ctx.nonfinite)
-    flagged = Message(_with_flag(message, ctx, locally_bad), message.collective, message.last, ctx.workspace)
-    combined = yield flagged
-    if message.collective is Collective.ALL_GATHER:
-        any_nonfinite = bool((combined[:, -1] != 0).any())
-        combined = combined[:, :-1]
-    else:
-        any_nonfinite = bool(combined[-1] != 0)
-        combined = combined[:-1]
 
-    if any_nonfinite:
-        inner.close()
-        if residuals is not None:
-            residuals.reset(layout)
-        log.warning(
-            "non-finite gradient (or beyond the range of %s) in %s at step %d, on %s: "
-            "sent uncompressed this step, residual reset",
-            compressor.name,
-            _describe(layout),
-            ctx.step,
-            "this rank" if locally_bad else "another rank",
-        )
-        if on_nonfinite is not None:
-            on_nonfinite(layout, ctx.step)
-        if ctx.world_size > 1:
-            grad.mul_(1.0 / ctx.world_size)
-        summed = yield Message(grad, Collective.ALL_REDUCE_SUM, last=True)
-        if summed.data_ptr() != grad.data_ptr():
-            grad.copy_(summed)
-        return
+def _uncompressed_instead(compressor: Compressor, grad: torch.Tensor, layout: SegmentLayout,
+                          residuals: ResidualStore | None, ctx: ExchangeContext, locally_bad: bool, on_nonfinite):
+    """Some rank's input was not finite: every rank sends its gradient uncompressed this step.
 
-    try:
-        while True:
-            message = inner.send(combined)
-            if message.workspace is None:
-                message.workspace = ctx.workspace
-            combined = yield message
-    except StopIteration:
-        pass
-    # Finite inputs can still decode to Inf/NaN (a scale that underflowed, a sum beyond the
-    # wire dtype's range).  Every rank decodes the same combined data, so every rank reaches
-    # the same verdict without a message: the segment skips this step's update everywhere
-    # (as a loss scaler skips a step), its residual starts over, and the optimizer sees zeros.
-    if not is_finite(grad):
-        grad.zero_()
-        if residuals is not None:
-            residuals.reset(layout)
-        log.warning("%s decoded a non-finite mean for %s at step %d from finite inputs: this segment's update "
-                    "is skipped this step on every rank, residual reset", compressor.name, _describe(layout), ctx.step)
-        if on_nonfinite is not None:
-            on_nonfinite(layout, ctx.step)
+    The mean then carries the NaN/Inf as DDP's own all-reduce would (a loss scaler sees it and
+    skips the step); the residual starts over.
+    """
+    if residuals is not None:
+        residuals.reset(layout)
+    log.warning(
+        "non-finite gradient (or beyond the range of %s) in %s at step %d, on %s: "
+        "sent uncompressed this step, residual reset",
+        compressor.name,
+        _describe(layout),
+        ctx.step,
+        "this rank" if locally_bad else "another rank",
+    )
+    if on_nonfinite is not None:
+        on_nonfinite(layout, ctx.step)
+    if ctx.world_size > 1:
+        grad.mul_(1.0 / ctx.world_size)
+    summed = yield Message(grad, Collective.ALL_REDUCE_SUM, last=True)
+    if summed.data_ptr() != grad.data_ptr():
+        grad.copy_(summed)
+
+
+def _skip_nonfinite_mean(compressor: Compressor, grad: torch.Tensor, layout: SegmentLayout,
+                         residuals: ResidualStore | None, ctx: ExchangeContext, on_nonfinite) -> None:
+    """Finite inputs decoded to Inf/NaN (a scale that underflowed, a sum beyond the wire dtype's range).
+
+    Every rank decodes the same combined data, so every rank reaches this verdict without a
+    message: the segment skips this step's update everywhere (as a loss scaler skips a step),
+    its residual starts over, and the optimizer sees zeros.
+    """
+    grad.zero_()
+    if residuals is not None:
+        residuals.reset(layout)
+    log.warning("%s decoded a non-finite mean for %s at step %d from finite inputs: this segment's update "
+                "is skipped this step on every rank, residual reset", compressor.name, _describe(layout), ctx.step)
+    if on_nonfinite is not None:
+        on_nonfinite(layout, ctx.step)
 
 
 def _describe(layout: SegmentLayout) -> str:

@@ -97,7 +97,6 @@ def bench_rank(rank: int, world: int, spec: str, rounds: int, steps: int, warmup
     for r in (result, matched_result):
         if r is not None and r.hook is not None:
             r.hook.close()
-            r.hook = None
     out = {"times": {k: statistics.median(v) for k, v in times.items()}, "rounds": times,
            "tune_s": tune_s, "result": result.to_dict() if rank == 0 else None}
     if matched_result is not None:
@@ -109,11 +108,23 @@ def run_benchmark(ranks: Sequence[int] = (2, 4), rates: Sequence[str] = RATES, m
                   rounds: int = 3, steps: int = 4, warmup: int = 2, measurements: str | None = None,
                   on_row: Callable[[dict], None] | None = None, autotune_kwargs: dict | None = None,
                   matched: bool = True) -> list[dict]:
-    """One row per (world size, rate, model); ``on_row`` sees each as soon as it is measured.
+    """Autotune, then time the advice next to DDP fp32, 16-bit and PyTorch's PowerSGD, side by side.
 
-    ``matched``: also autotune with the fidelity budget of PowerSGD rank 1 (a second tuned
-    copy of the model, measured in the same rounds), for a comparison with PyTorch's rank 1
-    at the same accuracy cost.
+    Args:
+        ranks, rates, models: the grid (rates need root for the emulated cluster; None is loopback).
+        rounds, steps, warmup: interleaved rounds of timed steps after untimed ones.
+        measurements: append the live measurements to that measurement set file.
+        on_row: sees each row as soon as it is measured.
+        autotune_kwargs: more keyword arguments of :func:`advisor.autotune`.
+        matched: also autotune with the fidelity budget of PowerSGD rank 1 (a second tuned
+            copy measured in the same rounds), to compare with PyTorch's rank 1 at the same
+            accuracy cost.
+
+    Returns:
+        One dict per (world size, rate, model): each setting's median step time and the advice.
+
+    Raises:
+        ValueError: a rate other than loopback without the emulated cluster (it names why).
     """
 
     emulated = unavailable_reason() is None

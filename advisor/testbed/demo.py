@@ -38,7 +38,20 @@ def demo_cluster_description(rate: str | None = DEMO_RATE) -> str:
 
 
 def run_demo(model: str = DEMO_MODEL, rate: str | None = DEMO_RATE, progress=None, **kwargs):
-    """Autotune ``model`` on 2 local ranks; returns rank 0's :class:`AutotuneResult`."""
+    """Autotune a bundled workload on an embedded 2-rank cluster (what ``make demo`` runs).
+
+    Args:
+        model: the workload factory, ``package.module:function``.
+        rate: the emulated link rate (root and iproute2), or None for loopback.
+        progress: print each stage of rank 0.
+        **kwargs: more keyword arguments of :func:`advisor.autotune`.
+
+    Returns:
+        Rank 0's :class:`advisor.tuning.results.AutotuneResult`.
+
+    Raises:
+        ValueError: a bad argument.  RankFailed: a rank failed (its error in the message).
+    """
 
     kwargs.setdefault("trials", 1000)
     return autotune_model(model, 2, rate=demo_rate(rate), where=demo_cluster_description(rate), **kwargs)

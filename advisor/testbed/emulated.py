@@ -17,8 +17,7 @@ Compute is shared: all ranks run on this machine's cores.  When
 there are at least as many cores as hosts, each host's process (all its threads) is pinned
 to its own cores, as on separate machines: unpinned, the scheduler moves ranks' compute,
 communication and gloo threads across the shared cores, and every synchronisation point
-pays for the ranks' collisions (measured on 2 cores, MLP at 1 Gbit/s, PowerSGD rank 4:
-57.8 ms a step unpinned, 52.0 pinned; the compute-only floor 29 ms either way).
+pays for the ranks' collisions (docs/benchmarks.md has the numbers).
 """
 
 from __future__ import annotations

@@ -60,11 +60,10 @@ def _autotune_rank(rank: int, world_size: int, spec: str, kwargs: dict):
     workload = build_workload(spec)
     ddp = DistributedDataParallel(workload.model)
     kwargs = {"evaluate": workload.evaluator(), "metric": workload.metric, **kwargs}
-    result = autotune(ddp, workload.loss_fn, workload.batches, workload.optimizer(), **kwargs)
-    if result.hook is not None:
-        result.hook.close()
-    result.hook = None
-    return result if rank == 0 else None
+    tuned = autotune(ddp, workload.loss_fn, workload.batches, workload.optimizer(), **kwargs)
+    if tuned.hook is not None:
+        tuned.hook.close()
+    return tuned.document() if rank == 0 else None
 
 
 def autotune_model(spec: str, nproc: int = 2, *, rate: str | None = None, timeout: float = 900.0,

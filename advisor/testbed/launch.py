@@ -237,13 +237,27 @@ def launch_local(
     netns: Sequence[str] | None = None,
     pin: bool = False,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes with gloo.
 
-    ``fn`` must be importable (defined at module level).  Returns the ranks' return values
-    in rank order.  ``netns`` places rank i in network namespace ``netns[i]`` (the
-    emulated cluster); ``addr`` is then rank 0's address there.  ``pin`` gives each rank
-    its own cores (:func:`core_shares`) when there are at least as many cores as ranks,
-    as separate machines have; with fewer cores the ranks share them all.
+    Args:
+        fn: importable (defined at module level); runs with the process group initialised.
+        world_size: how many ranks.
+        args: more positional arguments of ``fn`` (picklable).
+        timeout: seconds before every rank is stopped.
+        threads: torch threads per rank.
+        addr: rank 0's address (in its namespace, with ``netns``).
+        env: more environment variables for the ranks.
+        netns: rank i runs in network namespace ``netns[i]`` (the emulated cluster).
+        pin: give each rank its own cores (:func:`core_shares`) where there are at least as
+            many cores as ranks, as separate machines have; with fewer they share them all.
+
+    Returns:
+        The ranks' return values, in rank order.
+
+    Raises:
+        RankFailed: a rank raised, died or timed out; the message carries each failing
+            rank's error and the others are stopped.  A free port is chosen again when the
+            one picked was taken meanwhile.
     """
     shares = core_shares(world_size) if pin else None
     for attempt in range(3):

@@ -40,7 +40,7 @@ from advisor.core.speedups import speedups
 from advisor.runtime import Plan, install
 from advisor.tuning.accuracy import AccuracyTrial, Evaluator, check_evaluate
 from advisor.tuning.live import LossFn, measure_plans
-from advisor.tuning.results import AutotuneResult, bucket_rows
+from advisor.tuning.results import AutotuneResult, TunedResult, bucket_rows
 from advisor.tuning.steps import (
     Arm,
     LazyTrial,
@@ -117,7 +117,7 @@ def autotune(
     group=None,
     progress: Callable[[str], None] | None = None,
     where: str = "",
-) -> AutotuneResult:
+) -> TunedResult:
     """Find, prove and install the best plan for this model on this cluster; every rank calls it.
 
     Args:
@@ -150,8 +150,9 @@ def autotune(
         measurements_path: append this run's live measurements to that measurement set file.
 
     Returns:
-        An :class:`AutotuneResult`; ``result.hook`` is the installed hook (None when the
-        advice is native fp32); ``result.accuracy`` the trial's report.
+        A :class:`TunedResult`: the :class:`AutotuneResult` document (``result.to_json()``,
+        ``result.accuracy`` the trial's report) with ``result.hook`` beside it, the installed
+        hook (None when the advice is native fp32).
 
     Raises:
         ValueError: a bad argument (before any work), or an ``evaluate`` that fails or
@@ -233,8 +234,7 @@ def autotune(
     result.fidelity_measure = problem.fidelity_measure
     if measurements_path is not None and rank(group) == 0:
         _append_measurements(measurements_path, result.measurements)
-    result.hook = hook
-    return result
+    return TunedResult.beside(result, hook)
 
 
 def _checked_arguments(ddp_model, candidates, budget, reference, trials, top, rounds, steps, warmup_steps, min_gain,

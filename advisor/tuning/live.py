@@ -37,8 +37,7 @@ def bucketing_kwargs(ddp: DistributedDataParallel) -> dict[str, Any]:
     Why not just ``bucket_cap_mb=ddp.bucket_bytes_cap``: DDP gives its first bucket a
     small cap (1 MiB) only when no cap was passed; passing the default 25 MiB explicitly
     merges that first bucket into the next.  A plan measured on such a copy runs on other
-    buckets than the ones it was tuned for (measured on the MLP at 1 Gbit/s: a 16-bit first
-    bucket then could not overlap backward, 63 ms a step instead of 50).
+    buckets than the ones it was tuned for, and its time says little about the real one.
     """
     kwargs: dict[str, Any] = {}
     caps = list(getattr(ddp, "bucket_bytes_cap_list", None) or [])
@@ -118,11 +117,28 @@ def measure_plans(
     group=None,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, list[float]]:
-    """Per label (``"fp32"`` for native DDP, then ``plans``' keys): each round's median step time.
+    """Measure plans live in interleaved rounds; every rank calls it with the same plans.
 
-    ``steps``: timed steps per round, or per label (slow plans need fewer steps to be
-    measured well, and cost the most cluster time).  The user's model and optimizer end
-    exactly as they started.
+    Args:
+        ddp: the user's DDP model (fp32 runs on it natively; plans on a shadow copy).
+        loss_fn: ``loss_fn(model, batch) -> loss``.
+        batches: training batches, cycled.
+        optimizer: the training optimizer (the shadow trains with a clone of it).
+        plans: ``{label: plan}`` to measure.
+        native: also measure native DDP fp32, as ``"fp32"``.
+        rounds: interleaved rounds (each gives one median per label).
+        steps: timed steps per round, or per label (slow plans need fewer steps to be
+            measured well, and cost the most cluster time).
+        warmup: untimed steps the first time each model runs.
+        progress: ``progress(message)`` hears each plan as its round starts.
+
+    Returns:
+        ``{label: [median step seconds of each round]}``, the slowest rank's, ``"fp32"`` first.
+        The user's model and optimizer end exactly as they started.
+
+    Raises:
+        ValueError: no batches, or a bad count.
+        FloatingPointError: the loss became non-finite on some rank (on every rank; state restored).
     """
     batches = list(batches)
     if not batches:
@@ -143,36 +159,49 @@ def measure_plans(
             hook = install(shadow, first, group=group)
         with StateGuard(ddp.module, optimizer):
             used: set[str] = set()
+
+            def run(label: str, settle: int, finite: list[bool]) -> float:
+                if label == "fp32":
+                    return timed_steps(ddp, loss_fn, batches, optimizer, per_label[label], settle, finite=finite)
+                hook.set_plan(plans[label], reason=f"live measurement of {label}", verify=False)
+                return timed_steps(shadow, loss_fn, batches, shadow_opt, per_label[label], settle, finite=finite)
+
             for r in range(rounds):
-                local, bad = [], []
-                for label in labels:
-                    if progress is not None:
-                        progress(f"round {r + 1}/{rounds}: {label}")
-                    # a model's first steps include DDP's bucket rebuild: ``warmup`` steps the
-                    # first time each model runs; afterwards one step settles a new plan
-                    which = "native" if label == "fp32" else "shadow"
-                    settle = warmup if which not in used else min(warmup, 1)
-                    used.add(which)
-                    finite: list[bool] = []
-                    if label == "fp32":
-                        local.append(timed_steps(ddp, loss_fn, batches, optimizer, per_label[label], settle,
-                                                 finite=finite))
-                    else:
-                        hook.set_plan(plans[label], reason=f"live measurement of {label}", verify=False)
-                        local.append(timed_steps(shadow, loss_fn, batches, shadow_opt, per_label[label], settle,
-                                                 finite=finite))
-                    bad.append(0.0 if all(finite) else 1.0)
-                # one collective carries every rank's times and non-finite flags
-                merged = slowest(local + bad, group)
-                diverged = [label for label, flag in zip(labels, merged[len(labels):]) if flag > 0]
-                if diverged:
-                    raise FloatingPointError(
-                        f"the loss became NaN/Inf on some rank while measuring {', '.join(diverged)}; the model "
-                        "and optimizer are restored. Check the batches and learning rate (a plan whose loss "
-                        "diverges is unusable)")
-                for label, seconds in zip(labels, merged[: len(labels)]):
+                announce = (lambda label, r=r: progress(f"round {r + 1}/{rounds}: {label}")) if progress else None
+                for label, seconds in _round(labels, run, used, warmup, group, announce).items():
                     result[label].append(seconds)
     finally:
         if hook is not None:
             hook.close()
     return result
+
+
+def _round(labels: Sequence[str], run: Callable[[str, int, list[bool]], float], used: set[str], warmup: int,
+           group, announce: Callable[[str], None] | None = None) -> dict[str, float]:
+    """One interleaved round: each label's median step time, the slowest rank's.
+
+    ``run(label, settle, finite)`` times the label's steps after ``settle`` untimed ones and
+    appends whether each loss was finite.  A model's first steps include DDP's bucket
+    rebuild: ``warmup`` settle steps the first time each model runs (``used`` remembers
+    which did), afterwards one step settles a new plan.
+    """
+    local, bad = [], []
+    for label in labels:
+        if announce is not None:
+            announce(label)
+        which = "native" if label == "fp32" else "shadow"
+        settle = warmup if which not in used else min(warmup, 1)
+        used.add(which)
+        finite: list[bool] = []
+        local.append(run(label, settle, finite))
+        bad.append(0.0 if all(finite) else 1.0)
+    # one collective carries every rank's times and non-finite flags
+    merged = slowest(local + bad, group)
+    diverged = [label for label, flag in zip(labels, merged[len(labels):]) if flag > 0]
+    if diverged:
+        raise FloatingPointError(
+            f"the loss became NaN/Inf on some rank while measuring {', '.join(diverged)}; the model "
+            "and optimizer are restored. Check the batches and learning rate (a plan whose loss "
+            "diverges is unusable)")
+    return dict(zip(labels, merged[: len(labels)]))
+

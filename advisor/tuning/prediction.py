@@ -65,7 +65,18 @@ class PlanPrediction:
 
 
 def predict_plan(plan: Plan, profile: ClusterProfile) -> PlanPrediction:
-    """The model's view of ``plan`` on ``profile``, bucket by bucket, and of the baselines."""
+    """The model's view of ``plan`` on ``profile``, bucket by bucket, and of the baselines.
+
+    Args:
+        plan: the plan (its parameter names must be the profile's; see :meth:`Plan.check_against`).
+        profile: the cluster profile to predict on.
+
+    Returns:
+        A :class:`PlanPrediction`; ``to_dict()`` is the JSON of ``advisor report PLAN --json``.
+
+    Raises:
+        ValueError: the profile lacks the kernel costs of a config the plan uses.
+    """
     model = PerformanceModel(profile)
     timeline = model.predict(plan)
     timed = profile.kernels.costs if profile.kernels is not None else {}

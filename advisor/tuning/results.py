@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -82,15 +82,6 @@ class AutotuneResult(VersionedDocument):
     fidelity_measure: str = "gradient"
     kind: str = RESULT_KIND
     version: int = RESULT_VERSION
-    #: the installed CompressionHook (None when the advice is native fp32); not in the JSON
-    hook: Any = field(default=None, init=False, repr=False, compare=False)
-
-    def __getstate__(self) -> dict:
-        # the hook is live state of this process (a worker thread, a process group): a
-        # result sent to another process carries only its data
-        state = dict(self.__dict__)
-        state["hook"] = None
-        return state
 
     def save_png(self, path) -> None:
         """Measured vs predicted step time of every plan measured live."""
@@ -108,6 +99,31 @@ class AutotuneResult(VersionedDocument):
     def render(self, console=None) -> None:
         """The rich summary: advice, why, live measurements, accuracy trial, cost, buckets."""
         render_result(self, console)
+
+
+class TunedResult(AutotuneResult):
+    """What :func:`advisor.autotune` returns: the result document with the hook it installed beside it.
+
+    ``hook`` is the installed :class:`advisor.runtime.CompressionHook`, or None when the
+    advice is native fp32 (or nothing was installed).  It is live state of this process (a
+    worker thread, a process group), not part of the document: not in the JSON, and dropped
+    when the result is pickled to another process.
+    """
+
+    hook: Any = None
+
+    @classmethod
+    def beside(cls, result: AutotuneResult, hook) -> TunedResult:
+        tuned = cls(**{f.name: getattr(result, f.name) for f in fields(result) if f.init})
+        tuned.hook = hook
+        return tuned
+
+    def document(self) -> AutotuneResult:
+        """The result alone, as data."""
+        return AutotuneResult(**{f.name: getattr(self, f.name) for f in fields(self) if f.init})
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "hook"}
 
 
 def search_summary(problem, found, rows: list[BucketRow]) -> dict:

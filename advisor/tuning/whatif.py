@@ -66,7 +66,24 @@ def budget_evidence(budget: float | None, reference: str | None, accuracy=None) 
 
 def what_if(profile, scenario: Scenario | None = None, *, budget: float | None = None,
             reference: str | None = None, accuracy=None, candidates: Sequence[str] | None = None) -> WhatIfVerdict:
-    """Rank uniform plans by predicted time, keep those within the budget, and say how sure that is."""
+    """Rank uniform plans by predicted time, keep those within the budget, and say how sure that is.
+
+    Args:
+        profile: a :class:`profilers.profile.ClusterProfile`.
+        scenario: a :class:`advisor.perfmodel.Scenario` (more ranks, another link, ...);
+            default: the profiled cluster as it is.
+        budget, reference, accuracy: where the fidelity budget comes from, in that order: a
+            number, a config the user trusts, or an autotune result's accuracy trial.
+        candidates: the configs to rank (default: every config the profile timed).
+
+    Returns:
+        A :class:`WhatIfVerdict`: every plan's time and error, the best within the budget,
+        the budget's source, and whether the best was trialled for accuracy.
+
+    Raises:
+        ValueError: a budget given twice or malformed, or a candidate the profile did not
+            replay for fidelity, naming the fix.
+    """
     kwargs, source, accepted = budget_evidence(budget, reference, accuracy)
     if candidates is None:  # what the profile measured
         candidates = ["none"] + sorted(profile.kernels.costs if profile.kernels else [])

@@ -178,6 +178,7 @@ class OnlineTuner:
             self._optimizer_t0, self._update_marked = time.perf_counter(), True
 
     def close(self) -> None:
+        """Stop tuning and remove the hook's worker; the model must not train under it again."""
         for h in self._handles:
             h.remove()
         self._phase.close()
