@@ -261,7 +261,7 @@ def hook_lifetime(rank: int, world_size: int):
     import pickle
     import threading
 
-    from advisor.tuning.results import AutotuneResult
+    from advisor.tuning.results import TunedResult
 
     def workers() -> int:
         return sum(t.name == "advisor-comm" and t.is_alive() for t in threading.enumerate())
@@ -280,7 +280,7 @@ def hook_lifetime(rank: int, world_size: int):
     hook = install(ddp, mixed_plan())
     one_step(ddp)
     out["running"] = workers()
-    result = AutotuneResult.__new__(AutotuneResult)
+    result = TunedResult.__new__(TunedResult)  # what autotune returns
     result.__dict__.update({"hook": hook, "reason": "r"})
     out["pickled_hook"] = pickle.loads(pickle.dumps(result)).hook
     del ddp, hook, result

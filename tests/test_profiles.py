@@ -81,6 +81,30 @@ def test_not_a_profile_and_not_json(tmp_path):
         ClusterProfile.load(tmp_path / "missing.json")
 
 
+def test_every_document_kind_is_registered_once_and_read_back_by_its_kind(tmp_path):
+    import advisor.testbed.validate  # noqa: F401  (registers the validation report)
+    from advisor.core.documents import DOCUMENT_KINDS, read_document
+    from advisor.perfmodel import PerformanceModel
+    from advisor.runtime import Plan
+    from advisor.tuning.results import AutotuneResult, TunedResult
+
+    assert {cls.__name__ for cls in DOCUMENT_KINDS.values()} == {
+        "Plan", "ClusterProfile", "Timeline", "AutotuneResult", "ValidationReport", "MeasurementSet"}
+    assert TunedResult not in DOCUMENT_KINDS.values()  # it reads back as the plain document
+    profile = sample_profile()
+    plan = Plan.uniform("none", warmup_steps=0)
+    timeline = PerformanceModel(profile).predict(plan)
+    for name, document in (("profile", profile), ("plan", plan), ("timeline", timeline)):
+        document.save(tmp_path / f"{name}.json")
+        back = read_document(tmp_path / f"{name}.json")
+        assert type(back) is type(document) and back.to_dict() == document.to_dict()
+    with pytest.raises(ValueError, match="timeline.json is not a plan or an autotune result"):
+        read_document(tmp_path / "timeline.json", accept=(Plan, AutotuneResult))
+    (tmp_path / "odd.json").write_text('{"kind": "compression-advisor/plan", "version": 9}')
+    with pytest.raises(ValueError, match="odd.json: plan version 9 is not supported"):
+        read_document(tmp_path / "odd.json")
+
+
 def test_the_network_fit_recovers_latency_and_bandwidth_of_a_known_line():
     latency, rate = 2e-4, 1e9  # 1 Gbit/s links, 2 ranks: ring factor 1
     points = [(b, latency + b * 8 / rate) for b in (4096 * 2**k for k in range(12))]

@@ -42,9 +42,11 @@ from advisor.tuning.accuracy import AccuracyTrial, Evaluator, check_evaluate
 from advisor.tuning.live import LossFn, measure_plans
 from advisor.tuning.results import AutotuneResult, TunedResult, bucket_rows
 from advisor.tuning.steps import (
+    DEFAULT_CANDIDATES,
     Arm,
     LazyTrial,
     baseline_arms,
+    candidate_labels,
     decide_for_accuracy,
     fidelity_error,
     final_plan,
@@ -65,14 +67,6 @@ from profilers.network import NETWORK_REUSE_S
 
 log = logging.getLogger("advisor.autotune")
 
-#: Several PowerSGD ranks, so buckets can trade accuracy between them under one budget
-#: (L-GreCo): a cheap rank on a big bucket paid for by a precise config on a small one.
-#: The precise end (rank 16, 8-bit integers summed in the all-reduce) stays available when the
-#: accuracy trial rejects the aggressive configs.
-DEFAULT_CANDIDATES = (
-    "none", "fp16", "bf16", "powersgd(rank=1)", "powersgd(rank=2)", "powersgd(rank=4)",
-    "powersgd(rank=8)", "powersgd(rank=16)", "topk(ratio=0.01)", "intquant(bits=8, packed=0)",
-)
 POLICIES = ("optuna", "greedy")
 
 
@@ -244,12 +238,8 @@ def _checked_arguments(ddp_model, candidates, budget, reference, trials, top, ro
         raise TypeError(f"autotune needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
     if not dist.is_initialized():
         raise RuntimeError("autotune needs an initialised process group (torchrun, or advisor.testbed.launch)")
-    labels = list(dict.fromkeys(parse(c).label for c in ["none", *candidates]))
+    labels = candidate_labels(candidates, budget, reference)
     earn = budget is None and reference is None
-    # the reference sets the budget when given, and when none can be earned (it is then assumed)
-    fallback = reference if reference is not None else (DEFAULT_REFERENCE if earn else None)
-    if fallback is not None and budget is None and parse(fallback).label not in labels:
-        labels.append(parse(fallback).label)
     for name, value, minimum in (("trials", trials, 1), ("top", top, 1), ("rounds", rounds, 1),
                                  ("steps", steps, 1), ("warmup_steps", warmup_steps, 0)):
         check_int(name, value, minimum)

@@ -18,12 +18,13 @@ from typing import Any
 
 import numpy as np
 
+from advisor.compressors.registry import parse
 from advisor.core.collectives import from_rank_zero, rank
 from advisor.runtime import Plan
 from advisor.tuning.accuracy import AccuracyTrial
 from policies import accuracy_gate as gate
 from policies.base import Policy, PolicyResult
-from policies.baselines import BASELINES
+from policies.baselines import BASELINES, DEFAULT_REFERENCE
 from policies.baselines import SIXTEEN_BIT as SIXTEEN_BIT_CASTS
 from policies.do_no_harm import CANDIDATE, FP32, SIXTEEN_BIT, Decision, LiveMeasurement, decide
 from policies.problem import TuningProblem
@@ -31,6 +32,31 @@ from profilers.profile import ClusterProfile
 from profilers.training_state import preferred_sixteen_bit
 
 log = logging.getLogger("advisor.tuning")
+
+#: Several PowerSGD ranks, so buckets can trade accuracy between them under one budget
+#: (L-GreCo): a cheap rank on a big bucket paid for by a precise config on a small one.
+#: The precise end (rank 16, 8-bit integers summed in the all-reduce) stays available when the
+#: accuracy trial rejects the aggressive configs.
+DEFAULT_CANDIDATES = (
+    "none", "fp16", "bf16", "powersgd(rank=1)", "powersgd(rank=2)", "powersgd(rank=4)",
+    "powersgd(rank=8)", "powersgd(rank=16)", "topk(ratio=0.01)", "intquant(bits=8, packed=0)",
+)
+
+
+def candidate_labels(candidates: Sequence[str], budget: float | None = None, reference: str | None = None) -> list[str]:
+    """The configs to profile and search: ``none``, the candidates, and the budget's reference.
+
+    Without a budget, the reference's error sets it (the given one, else the default one),
+    so its fidelity must be profiled too.
+
+    Raises:
+        ValueError: a config that cannot be read, naming the allowed ones.
+    """
+    labels = list(dict.fromkeys(parse(c).label for c in ["none", *candidates]))
+    fallback = reference if reference is not None else DEFAULT_REFERENCE
+    if budget is None and parse(fallback).label not in labels:
+        labels.append(parse(fallback).label)
+    return labels
 
 
 @dataclass
@@ -107,8 +133,10 @@ def short_list(problem: TuningProblem, found: PolicyResult, top: int, *, diverse
 
 
 def _arm(problem: TuningProblem, label: str, kind: str, choices: np.ndarray, description: str) -> Arm:
-    plan = Plan.uniform(label if kind == SIXTEEN_BIT else "none", warmup_steps=0) if kind != CANDIDATE \
-        else problem.plan(choices, warmup_steps=0)
+    if kind == CANDIDATE:
+        plan = problem.plan(choices, warmup_steps=0)
+    else:  # a baseline: the cast everywhere, or plan none (fp32 through the hook, online)
+        plan = Plan.uniform(label if kind == SIXTEEN_BIT else "none", warmup_steps=0)
     return Arm(label, kind, plan, choices, description, float(problem.predict(choices[None, :])[0]))
 
 

@@ -55,18 +55,18 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from advisor.compressors import parse
 from advisor.core.collectives import world_size
 from advisor.core.documents import check_int
 from advisor.runtime import Plan, install
 from advisor.tuning.accuracy import AccuracyTrial, check_evaluate
-from advisor.tuning.autotune import DEFAULT_CANDIDATES
 from advisor.tuning.online.observe import Observation
 from advisor.tuning.online.trial import Race
 from advisor.tuning.online.watch import Watch, is_lossy
 from advisor.tuning.steps import (
+    DEFAULT_CANDIDATES,
     LazyTrial,
     baseline_arms,
+    candidate_labels,
     decide_for_accuracy,
     search,
     shared_profile,
@@ -75,7 +75,7 @@ from advisor.tuning.steps import (
 )
 from policies.do_no_harm import FP32
 from policies.optuna_search import OptunaPolicy
-from policies.problem import DEFAULT_REFERENCE, TuningProblem
+from policies.problem import TuningProblem
 
 log = logging.getLogger("advisor.tuning.online")
 
@@ -112,10 +112,7 @@ class OnlineTuner:
             time_budget_s=float(trial_s), **dict(trial_options or {}))
         #: the accuracy trial's report, where the gate ran (``loss_fn`` and ``batches`` given)
         self.accuracy = None
-        self.candidates = list(dict.fromkeys(parse(c).label for c in (candidates or DEFAULT_CANDIDATES)))
-        if budget is None and parse(DEFAULT_REFERENCE).label not in self.candidates:
-            # without a budget the reference's error sets it, as in autotune: it must be measured too
-            self.candidates.append(parse(DEFAULT_REFERENCE).label)
+        self.candidates = candidate_labels(candidates or DEFAULT_CANDIDATES, budget)
         self.ddp, self.optimizer, self.group = ddp, optimizer, group
         self.observe_steps, self.top, self.trials, self.budget = observe_steps, top, trials, budget
         self._race_settings = dict(min_steps=trial_steps, max_steps=max_trial_steps, precision=trial_precision)
