@@ -29,7 +29,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from advisor.core.collectives import slowest
 from advisor.core.documents import VersionedDocument, check_int
-from advisor.core.speedups import speedups
+from advisor.core.speedups import speedup, speedups
+from advisor.report.validation import render_validation, save_validation_png
 from advisor.runtime import Plan, install
 from advisor.runtime.plan import as_plan
 from advisor.testbed.emulated import parse_rate, run_ranks
@@ -123,61 +124,17 @@ class ValidationReport(VersionedDocument):
         sign = -1.0 if self.higher_is_better else 1.0
         return sign * (plan - fp32) / max(abs(fp32), 1e-12)
 
+    def time_to_target_speedup(self, label: str) -> float | None:
+        """How many times sooner than fp32 the arm ``label`` reached the target; None where one did not."""
+        return speedup(self.time_to_target_s.get(FP32), self.time_to_target_s.get(label))
+
     def render(self, console=None) -> None:
-        from rich.console import Console
-        from rich.table import Table
-
-        console = console or Console()
-        console.print(f"[bold]Time to accuracy: {self.model}, {self.world_size} ranks, {self.where}[/bold]")
-        if self.advice:
-            console.print(f"Plan: {self.description} ({self.advice})")
-        table = Table(title=f"{self.steps} steps from the same start and batches; held-out {self.metric}")
-        for col in ("arm", f"final {self.metric}", "vs fp32", "ms/step", "time to target", "TTA speed-up"):
-            table.add_column(col, justify="left" if col == "arm" else "right")
-        fp32_tta = self.time_to_target_s.get(FP32)
-        for a in self.arms:
-            tta = self.time_to_target_s.get(a.label)
-            sign = -1.0 if self.higher_is_better else 1.0
-            fp32 = self.arm(FP32).final(self.metric)
-            table.add_row(
-                a.description, f"{a.final(self.metric):.4g}",
-                f"{sign * (a.final(self.metric) - fp32) / max(abs(fp32), 1e-12):+.2%}", f"{a.step_s * 1e3:.1f}",
-                f"{tta:.1f} s" if tta is not None else "never",
-                f"{fp32_tta / tta:.2f}x" if tta and fp32_tta else "-")
-        console.print(table)
-        s = self.speedup
-
-        def fmt(x):
-            return f"{x:.2f}x" if x is not None else "n/a (a target not reached)"
-
-        console.print(f"Target: {self.metric} {'>=' if self.higher_is_better else '<='} {self.target:.4g} "
-                      f"({self.target_source}). Time-to-accuracy speed-up of the plan: {fmt(s.get('vs_fp32'))} "
-                      f"vs fp32, {fmt(s.get('vs_16bit'))} vs 16-bit.")
-        noise = self.noise()
-        if noise is not None:
-            console.print(f"Noise: the two fp32 runs (batch orders) end {noise:.2%} apart in {self.metric}; the "
-                          f"plan's gap is {self.gap():+.2%}"
-                          + (" (within it)." if self.gap() <= noise else " (beyond it)."))
+        """The rich summary: each arm's final metric, step time and time to the target."""
+        render_validation(self, console)
 
     def save_png(self, path) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for a, style in zip(self.arms, ("-", (0, (1, 1)), "--", "-.", ":")):
-            axes[0].plot(a.steps, a.metrics[self.metric], linestyle=style, label=a.description)
-            axes[1].plot(a.seconds, a.metrics[self.metric], linestyle=style, label=a.description)
-        axes[0].set(xlabel="step", ylabel=f"held-out {self.metric}")
-        axes[1].set(xlabel="training time (s)", ylabel=f"held-out {self.metric}")
-        for ax in axes:
-            ax.axhline(self.target, color="grey", lw=0.8, ls=":")
-            ax.legend(fontsize=8)
-        fig.suptitle(f"{self.model}: time to accuracy ({self.where})")
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        """The arms' held-out curves by step and by training time, with the target."""
+        save_validation_png(self, path)
 
 
 def _train_arm(workload, initial: dict, plan: Plan | None, batches: list, steps: int, eval_every: int,

@@ -217,15 +217,11 @@ def autotune(
                        metadata={"advisor": "autotune", **({"accuracy": checked} if checked else {})})
     hook = install(ddp_model, final, group=group) if install_plan and decision.kind != FP32 else None
 
-    result = _result(problem, found, decision, measured, arms, final, profile, where,
+    result = _result(problem, found, top, decision, measured, rounds_s, arms, final, profile, where,
+                     trial.report(problem.budget, budget_source) if trial is not None else None, budget_source,
                      {"profile": t_profiled - t_start, "accuracy": (t_trialled - t_profiled) + (t_decided - t_measured),
                       "search": t_searched - t_trialled, "measure": t_measured - t_measuring,
                       "total": time.perf_counter() - t_start})
-    result.searched_top = [problem.describe(c) for c in found.top(top)]
-    result.measurements = _measurements(problem, arms, rounds_s, result.where)
-    result.accuracy = trial.report(problem.budget, budget_source) if trial is not None else None
-    result.budget_source = budget_source
-    result.fidelity_measure = problem.fidelity_measure
     if measurements_path is not None and rank(group) == 0:
         _append_measurements(measurements_path, result.measurements)
     return TunedResult.beside(result, hook)
@@ -351,7 +347,10 @@ def _earn_budget(problem, trial: LazyTrial, lossy: Sequence[str], sixteen: str |
                    f"the budget is the error of {sixteen or 'fp32'} everywhere")
 
 
-def _result(problem, found, decision, measured, arms: dict[str, Arm], final, profile, where, seconds):
+def _result(problem, found, top: int, decision, measured, rounds_s, arms: dict[str, Arm], final, profile, where: str,
+            accuracy, budget_source: str, seconds: dict[str, float]) -> AutotuneResult:
+    """The result document: what was searched, measured, trialled and chosen, and what it cost."""
+    where = where or profile.environment.note or "this cluster"
     by_label = {m.label: m for m in measured}
     fp32 = by_label["fp32"].median_s
     sixteen = [m for m in measured if m.kind == SIXTEEN_BIT]
@@ -378,8 +377,13 @@ def _result(problem, found, decision, measured, arms: dict[str, Arm], final, pro
         policy_evaluations=int(found.evaluations),
         seconds=seconds,
         world_size=profile.environment.world_size,
-        where=where or profile.environment.note or "this cluster",
+        where=where,
         buckets=bucket_rows(problem, chosen.choices),
+        searched_top=[problem.describe(c) for c in found.top(top)],
+        measurements=_measurements(problem, arms, rounds_s, where),
+        accuracy=accuracy,
+        budget_source=budget_source,
+        fidelity_measure=problem.fidelity_measure,
     )
 
 
