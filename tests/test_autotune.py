@@ -204,3 +204,25 @@ def test_wraps_accuracy_gate_needs_loss_fn_batches_and_the_optimizer():
     assert "needs both loss_fn and batches" in messages[0]
     assert "clone of the training optimizer" in messages[1]
     assert "trial_s=0" in messages[2]
+
+
+def test_the_update_clock_times_the_update_alone_and_knows_when_it_cannot():
+    import time
+
+    from advisor.tuning.online.tuner import UpdateClock
+
+    clock = UpdateClock()
+    clock.step_starts()
+    assert clock.step_ends() >= 0  # a plain step: the update alone
+    clock.step_starts()
+    clock.forward_runs()  # the forward ran inside optimizer.step(closure)
+    assert clock.step_ends() is None
+    clock.step_starts()
+    clock.forward_runs()
+    time.sleep(0.05)  # forward and backward, inside the closure
+    clock.mark()  # the update starts now
+    assert clock.step_ends() < 0.05
+    clock.mark()  # outside a step a mark changes nothing
+    clock.forward_runs()
+    clock.step_starts()
+    assert clock.step_ends() is not None

@@ -122,10 +122,7 @@ class OnlineTuner:
         self.events: list[TunerEvent] = []
         #: (step, loss, under a lossy plan) of every loss the loop reported
         self.losses: list[tuple[int, float, bool]] = []
-        self._optimizer_t0 = 0.0
-        self._in_step = False      # between the optimizer's step pre- and post-hook
-        self._closure_step = False  # this step's forward ran inside optimizer.step(closure)
-        self._update_marked = False
+        self._update = UpdateClock()
         self._problem: TuningProblem | None = None  # the search's problem, for the accuracy gate
 
         first = plan if plan is not None and trend_steps == 0 else Plan.uniform("none", warmup_steps=0)
@@ -171,8 +168,7 @@ class OnlineTuner:
         callback does, from ``on_before_optimizer_step``) so the update is timed alone.  Without
         it such steps leave the update's time out of the profile.
         """
-        if self._in_step:
-            self._optimizer_t0, self._update_marked = time.perf_counter(), True
+        self._update.mark()
 
     def close(self) -> None:
         """Stop tuning and remove the hook's worker; the model must not train under it again."""
@@ -187,14 +183,12 @@ class OnlineTuner:
         log.info("step %d: %s: %s", self.step, what, detail)
 
     def _optimizer_start(self, *args) -> None:
-        self._optimizer_t0 = time.perf_counter()
-        self._in_step, self._closure_step, self._update_marked = True, False, False
+        self._update.step_starts()
 
     def _optimizer_end(self, *args) -> None:
-        self._in_step = False
-        # a closure step's pre-hook fired before its forward: only a marked update start times the update alone
-        if isinstance(self._phase, Observation) and (not self._closure_step or self._update_marked):
-            self._phase.optimizer_ran(time.perf_counter() - self._optimizer_t0)
+        seconds = self._update.step_ends()
+        if isinstance(self._phase, Observation) and seconds is not None:
+            self._phase.optimizer_ran(seconds)
 
     # The model's forward may be compiled (torch.compile(ddp)): dynamo must call these hooks, not
     # trace them, since they time, profile and run collectives.
@@ -213,8 +207,7 @@ class OnlineTuner:
                 "must reach at the same step, and a rank that joined early makes no more steps. Tune before the "
                 "loop with advisor.autotune, or install a plan (advisor.install): both work under join")
         now = time.perf_counter()
-        if self._in_step:
-            self._closure_step = True
+        self._update.forward_runs()
         # the forward may run under the loop's autocast; the tuner's own work (profiling, fidelity
         # replay, gains) is measured in the gradients' dtype, as the hook exchanges them
         with _no_autocast():
@@ -295,6 +288,37 @@ class OnlineTuner:
     def _watch(self, **where) -> Watch:
         return Watch(self.ddp, self.hook, self.candidates, losses=self.losses, note=self._note, group=self.group,
                      **self._watch_settings, **where)
+
+
+class UpdateClock:
+    """Times the optimizer's update alone, also when the forward runs inside ``optimizer.step(closure)``.
+
+    The step's pre-hook starts the clock.  When a forward runs before the post-hook, the
+    step took a closure and the clock also timed forward and backward; only an explicit
+    :meth:`mark` right before the update (:meth:`OnlineTuner.update_starts`) restarts it.
+    """
+
+    def __init__(self) -> None:
+        self._t0 = 0.0
+        self._in_step = False  # between the optimizer's step pre- and post-hook
+        self._closure = False  # this step's forward ran inside optimizer.step(closure)
+        self._marked = False
+
+    def step_starts(self) -> None:
+        self._t0, self._in_step, self._closure, self._marked = time.perf_counter(), True, False, False
+
+    def forward_runs(self) -> None:
+        if self._in_step:
+            self._closure = True
+
+    def mark(self) -> None:
+        if self._in_step:
+            self._t0, self._marked = time.perf_counter(), True
+
+    def step_ends(self) -> float | None:
+        """The update's seconds, or None where they cannot be told apart from the closure's."""
+        self._in_step = False
+        return time.perf_counter() - self._t0 if not self._closure or self._marked else None
 
 
 def _check_arguments(ddp, optimizer, observe_steps, trial_steps, top, trials, watch_every, backoff, trial_precision,
