@@ -247,3 +247,20 @@ class ClusterProfile(VersionedDocument):
     fidelity: FidelityProfile | None = None
     kind: str = PROFILE_KIND
     version: int = PROFILE_VERSION
+
+    def bucket_ready_s(self) -> dict[int, float]:
+        """Each DDP bucket's last gradient-ready time (seconds after backward starts)."""
+        ready = {p.name: p.ready_s for p in self.compute.parameters}
+        return {b.index: max(ready[n] for n in b.parameters) for b in self.compute.buckets}
+
+    def collective_costs(self, nbytes: int = 16 << 20) -> dict[str, tuple[float, float]]:
+        """Each fitted collective's (seconds, CPU seconds) for an input of ``nbytes``."""
+        if self.network is None:
+            return {}
+        return {name: (fit.predict(nbytes), fit.cpu_seconds(nbytes)) for name, fit in self.network.fits.items()}
+
+    def kernel_costs(self, numel: int = 1 << 20) -> dict[str, tuple[float, float]]:
+        """Each timed config's (encode, decode) seconds on a bucket of ``numel`` elements."""
+        if self.kernels is None:
+            return {}
+        return {label: tuple(cost.predict(numel)) for label, cost in self.kernels.costs.items()}

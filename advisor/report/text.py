@@ -26,20 +26,21 @@ def render_profile(profile, console: Console | None = None) -> None:
     buckets = Table(title="DDP buckets (after rebuild)")
     for col in ("bucket", "parameters", "elements", "last gradient ready (ms)"):
         buckets.add_column(col, justify="left" if col == "parameters" else "right")
-    ready = {p.name: p.ready_s for p in comp.parameters}
+    ready = profile.bucket_ready_s()
     for b in comp.buckets:
         names = ", ".join(b.parameters[:3]) + (f" +{len(b.parameters) - 3}" if len(b.parameters) > 3 else "")
-        buckets.add_row(str(b.index), names, f"{b.numel:,}", f"{max(ready[n] for n in b.parameters) * 1e3:.2f}")
+        buckets.add_row(str(b.index), names, f"{b.numel:,}", f"{ready[b.index] * 1e3:.2f}")
     console.print(buckets)
     if profile.network is not None:
         net = Table(title=f"Collectives (fitted; measured in {profile.network.elapsed_s:.1f} s)")
         for col in ("collective", "latency (ms)", "link bandwidth (Mbit/s)", "host CPU per 16 MB (ms)", "R²",
                     "points"):
             net.add_column(col, justify="right" if col != "collective" else "left")
+        costs = profile.collective_costs(16 << 20)
         for name, fit in profile.network.fits.items():
             # the CPU time an op of a 16 MB input costs the host (it competes with a CPU backward)
             net.add_row(name, f"{fit.latency_s * 1e3:.3f}", f"{fit.bandwidth_bps / 1e6:.0f}",
-                        f"{fit.cpu_seconds(16 << 20) * 1e3:.1f}", f"{fit.r2:.3f}", str(len(fit.points)))
+                        f"{costs[name][1] * 1e3:.1f}", f"{fit.r2:.3f}", str(len(fit.points)))
         if profile.network.round_s:
             net.caption = (f"A message round inside a step costs {profile.network.round_s * 1e3:.2f} ms more "
                            "than the fit (ranks arrive apart, threads wake from idle).")
@@ -48,8 +49,7 @@ def render_profile(profile, console: Console | None = None) -> None:
         kern = Table(title=f"Compressor cost on {profile.kernels.device} (fitted, per 1M elements)")
         for col in ("config", "encode (ms)", "decode (ms)"):
             kern.add_column(col, justify="right" if col != "config" else "left")
-        for label, cost in profile.kernels.costs.items():
-            enc, dec = cost.predict(1 << 20)
+        for label, (enc, dec) in profile.kernel_costs(1 << 20).items():
             kern.add_row(label, f"{enc * 1e3:.2f}", f"{dec * 1e3:.2f}")
         console.print(kern)
     if profile.fidelity is not None:
