@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import sys
 
 import click
+import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
+from torch.nn.parallel import DistributedDataParallel
 
 from advisor.compressors import parse
 from advisor.compressors.registry import REGISTRY, available
@@ -77,8 +80,6 @@ def _under_torchrun() -> bool:
 
 def _profile_here(spec: str, kwargs: dict):
     """Profile in this process, one rank of a job torchrun started."""
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
 
     dist.init_process_group("gloo")
@@ -168,8 +169,6 @@ def parse_duration(text: str) -> float:
 def whatif_cmd(profile_path, world_size, bandwidth, latency, speedup, budget, reference, result_path,
                as_json) -> None:
     """Would compression help on another cluster, and which compressor, within the accuracy budget?"""
-    import dataclasses
-
 
     try:
         profile = ClusterProfile.load(profile_path)

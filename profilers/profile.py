@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from advisor.core.documents import VersionedDocument
 
 PROFILE_VERSION = 1
@@ -134,7 +136,6 @@ def predict_loglog(knots: list[list[float]], numel):
     segments' slopes: cost per element changes where buckets stop fitting in cache, which
     one straight line through all sizes cannot follow.
     """
-    import numpy as np
 
     k = np.asarray(knots, dtype=np.float64)
     x = np.log(np.maximum(np.asarray(numel, dtype=np.float64), 1.0))

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+from rich.console import Console
+from rich.table import Table
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -165,8 +167,6 @@ def run_benchmark(ranks: Sequence[int] = (2, 4), rates: Sequence[str] = RATES, m
 
 
 def render_row(row: dict, console=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
 
     console = console or Console()
     t = row["times_s"]

@@ -7,9 +7,11 @@ and reported with the ranks still running: never a hang.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import gc
 import logging
+import multiprocessing
 import os
 import socket
 import tempfile
@@ -47,8 +49,6 @@ def enter_netns(name: str) -> None:
     Called first thing in a fresh rank process, before any socket or network thread
     exists: threads created afterwards inherit the namespace.
     """
-    import ctypes
-
     clone_newnet = 0x40000000
     libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
@@ -66,8 +66,6 @@ def enter_netns(name: str) -> None:
 def _bind_hosts_file(libc, hosts: str) -> None:
     """Show this process ``hosts`` as /etc/hosts, in a mount namespace of its own (as ``ip netns
     exec`` does), so the namespace's peers have names."""
-    import ctypes
-
     clone_newns, ms_rec, ms_private, ms_bind = 0x00020000, 0x4000, 1 << 18, 0x1000
     if libc.unshare(clone_newns) != 0:
         err = ctypes.get_errno()
@@ -278,8 +276,6 @@ def _start_method() -> str:
     process groups are inherited.  Where fork is unavailable (Windows, macOS defaults) it
     stays ``spawn``.
     """
-    import multiprocessing
-
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
     context = multiprocessing.get_context("forkserver")

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
 
 from advisor.tuning.accuracy import Evaluator, held_out_loss
 
@@ -173,8 +175,6 @@ class _DigitsNet(nn.Module):
 
 def digits_data(seed: int = 0, test_fraction: float = 0.25):
     """scikit-learn's digits (ships with it: no download), scaled to [0, 1], split once."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
 
     data = load_digits()
     x = torch.tensor(data.data / 16.0, dtype=torch.float32)
