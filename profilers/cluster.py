@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import advisor
 from advisor.compressors import SegmentLayout
-from advisor.core.collectives import slowest
+from advisor.core.collectives import every_rank, slowest
 
 from .compute import LossFn, profile_compute
 from .fidelity import bucket_layout, profile_fidelity
@@ -29,8 +29,7 @@ from .profile import ClusterProfile, Environment, KernelCost, KernelProfile
 
 def environment_of(ddp: DistributedDataParallel, group, note: str) -> Environment:
     world = dist.get_world_size(group)
-    hosts: list[Any] = [None] * world
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    hosts = every_rank(socket.gethostname(), group)
     device = next(ddp.module.parameters()).device
     return Environment(
         world_size=world,

@@ -39,13 +39,13 @@ def mean_over_ranks(values: Sequence[float], group=None) -> list[float]:
     return [v / n for v in _reduced(values, dist.ReduceOp.SUM, group)]
 
 
-def every_rank(value: float, group=None) -> list[float]:
-    """Every rank's ``value``, in rank order; one collective."""
+def every_rank(obj: Any, group=None) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order; one collective."""
     if world_size(group) == 1:
-        return [float(value)]
-    out = [torch.zeros(1, dtype=torch.float64) for _ in range(world_size(group))]
-    dist.all_gather(out, torch.tensor([float(value)], dtype=torch.float64), group=group)
-    return [float(t) for t in out]
+        return [obj]
+    out: list[Any] = [None] * world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def from_rank_zero(obj: Any, group=None) -> Any:

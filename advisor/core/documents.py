@@ -151,8 +151,9 @@ class JsonDocument:
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         if "KIND" in cls.__dict__ and cls.KIND:  # a subclass that inherits its kind reads as its parent
-            known = DOCUMENT_KINDS.setdefault(cls.KIND, cls)
-            if known is not cls and known.__qualname__ != cls.__qualname__:
+            known = DOCUMENT_KINDS.get(cls.KIND)
+            # the same class defined again (a reloaded module) takes its place
+            if known is not None and known.__qualname__ != cls.__qualname__:
                 raise TypeError(f"document kind {cls.KIND!r} is taken by {known.__qualname__}")
             DOCUMENT_KINDS[cls.KIND] = cls
 

@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from advisor.compressors.base import Collective, Compressor, ExchangeContext, Message, SegmentLayout
 from advisor.compressors.registry import CompressorConfig
+from advisor.core.collectives import every_rank, rank, world_size
 from advisor.runtime.channel import Job, LocalChannel, OrderedExecutor, ProcessGroupChannel
 from advisor.runtime.plan import Plan, as_plan
 from advisor.runtime.segment import ResidualStore, guarded_exchange
@@ -42,8 +43,8 @@ class CompressionHook:
     def __init__(self, plan: Plan, parameter_names: Mapping[int, str], group=None) -> None:
         self.plan = plan
         self.group = group
-        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.world_size = world_size(group)
+        self.rank = rank(group)
         self.step = 0
         self.nonfinite_events = 0
         self._names = dict(parameter_names)
@@ -162,9 +163,8 @@ class CompressionHook:
         """
         plan = as_plan(plan)
         plan.check_against(self._names.values())
-        if verify and self.world_size > 1:
-            digests: list[Any] = [None] * self.world_size
-            dist.all_gather_object(digests, plan.digest(), group=self.group)
+        if verify:
+            digests = every_rank(plan.digest(), self.group)
             if len(set(digests)) > 1:
                 raise ValueError(f"ranks switched to different plans (digests by rank: {digests}); plan unchanged")
         for name, residual in list(self._residuals.state_dict().items()):
@@ -230,13 +230,7 @@ class CompressionHook:
         Residuals are rank-local, but Lightning's and Accelerate's checkpoints keep rank 0's
         objects only; this gathers them all, so each rank can take its own back.
         """
-        mine = self.state_dict()
-        states = [mine]
-        world = dist.get_world_size(self.group) if dist.is_initialized() else 1
-        if world > 1:
-            states = [None] * world
-            dist.all_gather_object(states, mine, group=self.group)
-        return {"version": STATE_VERSION, "plan": self.plan.to_dict(), "ranks": states}
+        return {"version": STATE_VERSION, "plan": self.plan.to_dict(), "ranks": every_rank(self.state_dict(), self.group)}
 
     def load_gathered_state_dict(self, gathered: Mapping[str, Any]) -> bool:
         """Load this rank's part of :meth:`gathered_state_dict`; False (nothing loaded) where the
@@ -244,10 +238,9 @@ class CompressionHook:
         if not isinstance(gathered, Mapping) or gathered.get("version") != STATE_VERSION or "ranks" not in gathered:
             raise ValueError("not a gathered hook state (expected the dict of CompressionHook.gathered_state_dict)")
         states = gathered["ranks"]
-        world = dist.get_world_size(self.group) if dist.is_initialized() else 1
-        if len(states) != world:
+        if len(states) != self.world_size:
             return False
-        self.load_state_dict(states[dist.get_rank(self.group) if world > 1 else 0])
+        self.load_state_dict(states[self.rank])
         return True
 
     def residual_norm(self) -> float:
@@ -358,11 +351,8 @@ def install(
         digest = plan.digest()
     except (ValueError, TypeError) as exc:
         error = str(exc)
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    if world > 1:
-        mine = {"error": error, "digest": digest, "rank": dist.get_rank(group)}
-        everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, mine, group=group)
+    if world_size(group) > 1:
+        everyone = every_rank({"error": error, "digest": digest, "rank": rank(group)}, group)
         errors = [f"rank {e['rank']}: {e['error']}" for e in everyone if e["error"]]
         if errors:
             raise ValueError("invalid plan: " + "; ".join(errors))

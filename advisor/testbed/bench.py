@@ -48,7 +48,6 @@ def _fresh(spec: str, **ddp_kwargs):
 
 def _autotuned(spec: str, batches: list, where: str, measurements: str | None, autotune_kwargs: dict):
     """A fresh copy of the model, autotuned, past its plan's warm-up: (model, optimizer, result, seconds)."""
-
     workload, model = _fresh(spec)
     opt = workload.optimizer()  # over this copy's parameters
     t0 = time.perf_counter()
@@ -128,7 +127,6 @@ def run_benchmark(ranks: Sequence[int] = (2, 4), rates: Sequence[str] = RATES, m
     Raises:
         ValueError: a rate other than loopback without the emulated cluster (it names why).
     """
-
     emulated = unavailable_reason() is None
     rows = []
     for world in ranks:
@@ -167,7 +165,7 @@ def run_benchmark(ranks: Sequence[int] = (2, 4), rates: Sequence[str] = RATES, m
 
 
 def render_row(row: dict, console=None) -> None:
-
+    """One benchmark row: every setting's step time and its speed-up over DDP fp32."""
     console = console or Console()
     t = row["times_s"]
     table = Table(title=f"{row['ranks']} ranks @ {row['rate']}, {row['model']}: advice {row['advice']} "
@@ -176,7 +174,7 @@ def render_row(row: dict, console=None) -> None:
     table.add_column("ms/step", justify="right")
     table.add_column("vs DDP fp32", justify="right")
     for name, s in sorted(t.items(), key=lambda kv: kv[1]):
-        table.add_row(name, f"{s * 1e3:.1f}", f"{t['DDP fp32'] / s:.2f}x")
+        table.add_row(name, f"{s * 1e3:.1f}", f"{speedup(t['DDP fp32'], s):.2f}x")
     console.print(table)
     console.print(f"advisor plan vs PyTorch fp16 hook {row['vs_fp16_hook']:.2f}x, vs best PyTorch PowerSGD "
                   f"{row['vs_best_powersgd']:.2f}x, vs best baseline {row['vs_best_baseline']:.2f}x")

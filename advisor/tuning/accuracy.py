@@ -29,11 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from advisor.core.collectives import mean_over_ranks, rank, slowest, world_size
+from advisor.core.collectives import every_rank, mean_over_ranks, rank, slowest, world_size
 from advisor.core.documents import check_int
 from advisor.runtime import Plan, install
 from advisor.tuning.live import LossFn, shadow_ddp
@@ -387,10 +386,7 @@ def evaluate_on_every_rank(evaluate: Evaluator, models: Sequence[torch.nn.Module
     t = mean_over_ranks((values if len(values) == n else [0.0] * n) + flags, group)
     failed = [r for r in range(world) if t[n + r] > 0]
     if failed:
-        messages: list[Any] = [problem]
-        if world > 1:
-            messages = [None] * world
-            dist.all_gather_object(messages, problem, group=group)
+        messages = every_rank(problem, group)
         detail = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
         raise ValueError(f"evaluate(model) failed ({detail}); it must return a dict of finite numbers including "
                          f"{metric!r}. Nothing of the model or optimizer changed")

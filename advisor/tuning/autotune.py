@@ -268,16 +268,16 @@ def _set_budget(problem, trial: LazyTrial | None, policy: Policy, sixteen: str |
             else "given"
     pays, why_not = _compression_can_pay(problem, policy, sixteen, group)
     if not pays:
-        problem.budget = fidelity_error(problem, problem.uniform(sixteen)[0]) if sixteen else 0.0
+        problem.budget = _uniform_error(problem, sixteen)
         return (f"not earned: {why_not}, so no compressed plan was trialled; the budget is the "
                 f"error of {sixteen or 'fp32'} everywhere")
     if not trial.ensure_started().informative:
-        problem.budget = _reference_budget(problem, DEFAULT_REFERENCE)
+        problem.budget = _uniform_error(problem, parse(DEFAULT_REFERENCE).label)
         return (f"assumed: the error of {DEFAULT_REFERENCE} everywhere; fp32 did not improve the "
                 f"held-out {metric} in the trial ({trial.trial.report().progress:+.2%}), so no budget "
                 "could be earned (pass batches of real data, or evaluate=)")
     lossy = sorted((c for c in problem.configs if c not in BASELINES),
-                   key=lambda c: fidelity_error(problem, problem.uniform(c)[0]))
+                   key=lambda c: _uniform_error(problem, c))
     problem.budget, source = _earn_budget(problem, trial, lossy, sixteen)
     return source
 
@@ -297,11 +297,11 @@ def _measure(ddp_model, loss_fn, batches, optimizer, arms: dict[str, Arm], round
                          group=group, progress=say)
 
 
-def _reference_budget(problem, reference: str) -> float:
-    label = parse(reference).label
-    if label not in problem.configs:
+def _uniform_error(problem, config: str | None) -> float:
+    """The fidelity error of ``config`` everywhere; 0 for none (fp32 stands) or a config not profiled."""
+    if config is None or config not in problem.configs:
         return 0.0
-    return float(problem.fidelity_error(problem.uniform(label))[0])
+    return fidelity_error(problem, problem.uniform(config)[0])
 
 
 def _compression_can_pay(problem, policy: Policy, sixteen: str | None, group) -> tuple[bool, str]:
@@ -342,7 +342,7 @@ def _earn_budget(problem, trial: LazyTrial, lossy: Sequence[str], sixteen: str |
     if earned is not None and low >= 0:
         return earned, (f"earned: the {problem.fidelity_measure} error of {lossy[low]} everywhere, the most "
                         f"distorting uniform plan that kept up with fp32 in a {steps}-step trial")
-    floor = fidelity_error(problem, problem.uniform(sixteen)[0]) if sixteen else 0.0
+    floor = _uniform_error(problem, sixteen)
     return floor, (f"earned: every uniform compressed plan trialled fell behind fp32 in a {steps}-step trial, so "
                    f"the budget is the error of {sixteen or 'fp32'} everywhere")
 

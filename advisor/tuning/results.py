@@ -114,13 +114,13 @@ class TunedResult(AutotuneResult):
 
     @classmethod
     def beside(cls, result: AutotuneResult, hook) -> TunedResult:
-        tuned = cls(**{f.name: getattr(result, f.name) for f in fields(result) if f.init})
+        tuned = cls(**_field_values(result))
         tuned.hook = hook
         return tuned
 
     def document(self) -> AutotuneResult:
         """The result alone, as data."""
-        return AutotuneResult(**{f.name: getattr(self, f.name) for f in fields(self) if f.init})
+        return AutotuneResult(**_field_values(self))
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "hook"}
@@ -145,3 +145,7 @@ def search_summary(problem, found, rows: list[BucketRow]) -> dict:
                      "encode_s": r.encode_s, "comm_s": r.comm_s, "decode_s": r.decode_s,
                      "wire_bytes": r.wire_bytes, "fidelity_error": r.fidelity_error} for r in rows],
     }
+
+
+def _field_values(result: AutotuneResult) -> dict[str, Any]:
+    return {f.name: getattr(result, f.name) for f in fields(result) if f.init}

@@ -9,7 +9,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from advisor.compressors import SegmentLayout
-from advisor.core.collectives import slowest
+from advisor.core.collectives import slowest, world_size
 from advisor.runtime import CompressionHook
 from profilers.cluster import environment_of, slowest_kernels
 from profilers.compute import copy_rate, ddp_buckets, layer_costs, layer_of
@@ -91,8 +91,9 @@ class Observation:
     def optimizer_ran(self, seconds: float) -> None:
         self.optimizer_s.append(seconds)
 
-    def profile(self, candidates: list[str], world: int, group=None) -> ClusterProfile:
+    def profile(self, candidates: list[str], group=None) -> ClusterProfile:
         """The cluster profile: compute from the observed steps, the rest measured briefly now."""
+        world = world_size(group)
         named = [(n, p) for n, p in self.ddp.module.named_parameters() if p.requires_grad]
         names = [n for n, _ in named]
         runs = self.ready_runs[1:] or self.ready_runs  # the first step includes DDP's set-up

@@ -55,7 +55,6 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from advisor.core.collectives import world_size
 from advisor.core.documents import check_int
 from advisor.runtime import Plan, install
 from advisor.tuning.accuracy import AccuracyTrial, check_evaluate
@@ -117,7 +116,6 @@ class OnlineTuner:
         self.observe_steps, self.top, self.trials, self.budget = observe_steps, top, trials, budget
         self._race_settings = dict(min_steps=trial_steps, max_steps=max_trial_steps, precision=trial_precision)
         self._watch_settings = dict(every=watch_every, backoff=backoff, loss_z=loss_z)
-        self.world = world_size(group)
         self.step = 0
         self.events: list[TunerEvent] = []
         #: (step, loss, under a lossy plan) of every loss the loop reported
@@ -227,7 +225,7 @@ class OnlineTuner:
         t0 = time.perf_counter()
         observation = self._phase
         observation.stop()
-        profile = shared_profile(observation.profile(self.candidates, self.world, self.group), self.group)
+        profile = shared_profile(observation.profile(self.candidates, self.group), self.group)
         problem = TuningProblem.from_profile(profile, self.candidates, budget=self.budget)
         found = search(OptunaPolicy(n_trials=self.trials), problem, self.group)
         arms = baseline_arms(problem, sixteen_bit_baseline(problem, self.optimizer)) + short_list(problem, found,
