@@ -226,3 +226,33 @@ def test_the_update_clock_times_the_update_alone_and_knows_when_it_cannot():
     clock.forward_runs()
     clock.step_starts()
     assert clock.step_ends() is not None
+
+
+def test_a_copy_of_the_model_runs_itself_even_while_a_framework_redirects_the_original_forward():
+    from types import MethodType
+
+    from advisor.tuning.live import module_copy
+
+    original = nn.Linear(2, 1)
+    class_forward = original.forward
+
+    def redirected(*args):  # as Lightning patches forward during training_step
+        return class_forward(*args) * 0 + 123.0
+
+    original.forward = redirected
+    duplicate = module_copy(original)
+    with torch.no_grad():
+        duplicate.weight.fill_(1.0)
+        duplicate.bias.fill_(0.0)
+    assert float(duplicate(torch.ones(1, 2)).detach()) == 2.0  # the copy's own weights, not the redirect
+    assert original.forward is redirected  # the original is left as the framework set it
+
+    def scaled(self, x):  # as Accelerate binds its autocast wrapper to the module
+        return nn.Linear.forward(self, x) * 10
+
+    original.forward = MethodType(scaled, original)
+    duplicate = module_copy(original)
+    with torch.no_grad():
+        duplicate.weight.fill_(1.0)
+        duplicate.bias.fill_(0.0)
+    assert float(duplicate(torch.ones(1, 2)).detach()) == 20.0  # the bound wrapper stays, bound to the copy

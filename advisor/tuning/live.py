@@ -57,9 +57,26 @@ def bucketing_kwargs(ddp: DistributedDataParallel) -> dict[str, Any]:
     return kwargs
 
 
+def module_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``module`` whose ``forward`` runs the copy.
+
+    A framework may patch ``forward`` on the instance for one call: Lightning's forward
+    redirection does during every ``training_step``, which is when the online tuner's
+    accuracy trial copies the model.  Such a function keeps pointing at the original
+    module after a deep copy, so the copy would run the original's ``training_step``; it
+    is dropped, and the copy runs its class's ``forward``.  A bound method of the module
+    (Accelerate's autocast wrapper) is rebound to the copy by the deep copy and stays.
+    """
+    duplicate = copy.deepcopy(module)
+    forward = vars(duplicate).get("forward")
+    if forward is not None and getattr(forward, "__self__", None) is not duplicate:
+        del vars(duplicate)["forward"]
+    return duplicate
+
+
 def shadow_ddp(ddp: DistributedDataParallel) -> DistributedDataParallel:
     """A copy of ``ddp``'s module (its current weights) in its own DDP wrapper, with the same buckets."""
-    module = copy.deepcopy(ddp.module)
+    module = module_copy(ddp.module)
     with warnings.catch_warnings():  # newer PyTorch renames broadcast_buffers; same meaning
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
         return DistributedDataParallel(module, process_group=ddp.process_group, **bucketing_kwargs(ddp))
