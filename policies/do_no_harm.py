@@ -1,18 +1,27 @@
-"""Do no harm: recommend compression only when it beats the best baseline by more than noise.
+"""Do no harm, for speed: a plan is faster only when the lower bound of its step speed-up says so.
 
 The top candidates are measured live next to the baselines (fp32, 16-bit) in interleaved
-rounds; each round gives one median step time per plan (slowest rank).  The spread of a
-plan's round medians is its measured noise.  A compressed plan is recommended only when
-its median beats the best baseline's by more than the sum of the two noises (each
-estimate may be off by its own noise, in opposite directions) and ``min_gain``;
-otherwise the best baseline is, with the reason.  The same rule decides between fp32 and
-16-bit: 16-bit must beat fp32 by more than the noise.
+rounds; each round gives one median step time per plan (slowest rank).  Rounds are
+paired: a baseline's round ``i`` over a plan's round ``i`` cancels what drifted between
+rounds, and the spread of those ratios is the noise of the comparison
+(:func:`policies.evidence.paired_speedup`).  Where a measurement carries its own standard
+error instead (the online race times one plan after another), the two errors add.
+
+16-bit replaces fp32 as the baseline when the lower bound of its speed-up over fp32 exceeds
+``1 + min_gain``; a compressed plan is chosen when the lower bound of its speed-up over the
+best baseline does.  Otherwise the best baseline stands, with the numbers.  This is the
+speed half of the decision; :func:`advisor.tuning.steps.decide_time_to_accuracy` adds the
+step efficiency the accuracy trial measured, so that the plan installed is faster *to the
+same accuracy*.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
+
+from .evidence import Estimate, independent_speedup, paired_speedup
 
 FP32 = "fp32"
 SIXTEEN_BIT = "16-bit"
@@ -29,6 +38,9 @@ class LiveMeasurement:
     round_s: list[float]
     predicted_s: float | None = None
     description: str = ""
+    #: the relative standard error of the median, where the rounds are not paired with other
+    #: plans' (the online race); None: paired interleaved rounds
+    se: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -42,21 +54,53 @@ class LiveMeasurement:
 
     @property
     def noise(self) -> float:
-        """Relative half-spread of the round medians (0 with one round)."""
+        """Relative half-spread of the round medians (0 with one round), or twice the given standard error."""
+        if self.se is not None:
+            return 2 * self.se
         return (max(self.round_s) - min(self.round_s)) / 2 / self.median_s
+
+    @property
+    def relative_se(self) -> float:
+        """The relative standard error of the median step time (inf with one round and no given error)."""
+        if self.se is not None:
+            return self.se
+        if len(self.round_s) < 2:
+            return math.inf
+        return statistics.stdev(self.round_s) / math.sqrt(len(self.round_s)) / self.median_s
+
+
+def step_speedup(baseline: LiveMeasurement, plan: LiveMeasurement) -> Estimate:
+    """The baseline's step time over the plan's: paired by round where both were measured in the
+    same interleaved rounds, else from each one's own error."""
+    if baseline.se is None and plan.se is None and len(baseline.round_s) == len(plan.round_s):
+        return paired_speedup(baseline.round_s, plan.round_s)
+    return independent_speedup(baseline.median_s, baseline.relative_se, plan.median_s, plan.relative_se)
 
 
 @dataclass
 class Decision:
+    """The speed decision: the plan chosen, the best baseline, and the chosen plan's step speed-up
+    over it with its 95% one-sided bounds (1 where the baseline itself is chosen)."""
+
     chosen: str
     kind: str
     compress: bool
     best_baseline: str
     best_candidate: str | None
+    #: the relative half-width of the step speed-up's interval (its noise)
     margin: float
     gain_vs_best_baseline: float
     reason: str
     ranking: list[str] = field(default_factory=list)
+    speedup_low: float = 1.0
+    speedup_high: float = 1.0
+    #: the step speed-up's estimate (for the time to accuracy; not part of a document)
+    step: Estimate | None = None
+    #: the time-to-accuracy speed-up over the best baseline, once the accuracy trial proved the plan
+    tta: Estimate | None = None
+
+    def step_speedup(self) -> Estimate:
+        return self.step if self.step is not None else Estimate(self.gain_vs_best_baseline, 0.0)
 
 
 def decide(measurements: list[LiveMeasurement], min_gain: float = 0.0) -> Decision:
@@ -69,10 +113,10 @@ def decide(measurements: list[LiveMeasurement], min_gain: float = 0.0) -> Decisi
     base = min(fp32, key=lambda m: m.median_s)
     why_base = f"{base.label} is the baseline"
     for m in sorted((m for m in measurements if m.kind == SIXTEEN_BIT), key=lambda m: m.median_s):
-        margin = max(base.noise + m.noise, min_gain)
-        if m.median_s < base.median_s * (1 - margin):
-            why_base = (f"{m.label} beats {base.label} by {1 - m.median_s / base.median_s:.1%} "
-                        f"(noise {margin:.1%})")
+        gain = step_speedup(base, m)
+        if gain.lower() > 1 + min_gain:
+            why_base = (f"{m.label} beats {base.label} by {1 - 1 / gain.value:.1%} per step (at least "
+                        f"{1 - 1 / gain.lower():.1%}, 95% bound)")
             base = m
         break
     ranking = [m.label for m in sorted(measurements, key=lambda m: m.median_s)]
@@ -81,14 +125,18 @@ def decide(measurements: list[LiveMeasurement], min_gain: float = 0.0) -> Decisi
         return Decision(base.label, base.kind, False, base.label, None, 0.0, 1.0,
                         f"no compressed candidate was measured; {why_base}", ranking)
     best = min(candidates, key=lambda m: m.median_s)
-    margin = max(base.noise + best.noise, min_gain)
-    gain = base.median_s / best.median_s
-    if best.median_s < base.median_s * (1 - margin):
-        reason = (f"{best.description or best.label} measured {best.median_s * 1e3:.1f} ms/step vs "
-                  f"{base.median_s * 1e3:.1f} ms for the best baseline ({base.label}): {gain:.2f}x, "
-                  f"more than the measured noise ({margin:.1%})")
-        return Decision(best.label, best.kind, True, base.label, best.label, margin, gain, reason, ranking)
-    reason = (f"the best compressed plan ({best.description or best.label}, {best.median_s * 1e3:.1f} ms/step) "
-              f"does not beat {base.label} ({base.median_s * 1e3:.1f} ms/step) by more than the measured "
-              f"noise ({margin:.1%}); {why_base}")
-    return Decision(base.label, base.kind, False, base.label, best.label, margin, gain, reason, ranking)
+    gain = step_speedup(base, best)
+    low, high = gain.lower(), gain.upper()
+    name = best.description or best.label
+    if low > 1 + min_gain:
+        reason = (f"{name} measured {best.median_s * 1e3:.1f} ms/step vs {base.median_s * 1e3:.1f} ms for the best "
+                  f"baseline ({base.label}): {gain.value:.2f}x per step, at least {low:.2f}x (95% bound, noise "
+                  f"±{gain.noise:.1%})")
+        return Decision(best.label, best.kind, True, base.label, best.label, gain.noise, gain.value, reason, ranking,
+                        low, high, gain)
+    reason = (f"the best compressed plan ({name}, {best.median_s * 1e3:.1f} ms/step, {gain.value:.2f}x per step, "
+              f"{low:.2f}-{high:.2f}x) is not shown faster than {base.label} ({base.median_s * 1e3:.1f} ms/step) "
+              f"beyond the measured noise (±{gain.noise:.1%})" + (f" and min_gain={min_gain:.0%}" if min_gain else "")
+              + f"; {why_base}")
+    return Decision(base.label, base.kind, False, base.label, best.label, gain.noise, gain.value, reason, ranking,
+                    step=gain)

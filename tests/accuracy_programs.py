@@ -30,8 +30,12 @@ def _same(a, b) -> bool:
 
 
 def _digits_with_history(steps: int = 3):
-    """The digits workload, its DDP and an optimizer that has already stepped (momentum state to copy)."""
-    workload = build_workload(DIGITS)
+    return _with_history(DIGITS, steps)
+
+
+def _with_history(spec: str, steps: int = 3):
+    """The workload, its DDP and an optimizer that has already stepped (momentum state to copy)."""
+    workload = build_workload(spec)
     ddp = DDP(workload.model)
     opt = workload.optimizer()
     for batch in workload.batches[:steps]:
@@ -41,14 +45,18 @@ def _digits_with_history(steps: int = 3):
     return workload, ddp, opt
 
 
-def trial_plans(rank: int, world: int, plans: dict, options: dict):
-    """Trial each plan against fp32 on digits; report, and whether the user's model and optimizer kept their state."""
-    workload, ddp, opt = _digits_with_history()
+def trial_plans(rank: int, world: int, plans: dict, options: dict, spec: str = DIGITS):
+    """Trial each plan (``{label: (config, kind)}``) against fp32 on ``spec``; the report, and whether
+    the user's model and optimizer kept their state."""
+    from advisor.testbed.workloads import shard
+
+    workload, ddp, opt = _with_history(spec)
     before = _state(ddp.module, opt)
-    trial = AccuracyTrial(ddp, workload.loss_fn, workload.batches, opt, evaluate=workload.evaluator(), **options)
+    trial = AccuracyTrial(ddp, workload.loss_fn, shard(workload.batches, rank, world), opt,
+                          evaluate=workload.evaluator(), **options)
     trial.start()
-    for label, config in plans.items():
-        trial.trial(label, Plan.uniform(config, warmup_steps=0))
+    for label, (config, kind) in plans.items():
+        trial.trial(label, Plan.uniform(config, warmup_steps=0), kind)
     return {"report": trial.report(), "unchanged": _same(before, _state(ddp.module, opt))}
 
 

@@ -169,7 +169,10 @@ def m(label, kind, *ms):
 def test_compression_is_recommended_only_beyond_the_measured_noise():
     clear = [m("fp32", "fp32", 200, 202, 201), m("fp16", "16-bit", 130, 131, 133), m("c1", "candidate", 70, 72, 71)]
     d = decide(clear)
-    assert d.compress and d.chosen == "c1" and d.gain_vs_best_baseline == pytest.approx(131 / 71)
+    # the speed-up is the geometric mean of the per-round ratios, since rounds are paired
+    assert d.compress and d.chosen == "c1"
+    assert d.gain_vs_best_baseline == pytest.approx((130 / 70 * 131 / 72 * 133 / 71) ** (1 / 3))
+    assert d.speedup_low < d.gain_vs_best_baseline < d.speedup_high
     noisy = [m("fp32", "fp32", 200, 202, 201), m("fp16", "16-bit", 100, 130, 115), m("c1", "candidate", 105, 107, 106)]
     d = decide(noisy)
     assert not d.compress and d.chosen == "fp16" and "noise" in d.reason
@@ -187,7 +190,22 @@ def test_do_no_harm_needs_the_fp32_baseline():
         m("x", "fast", 1)
 
 
-def test_the_margin_is_the_sum_of_both_noises():
-    # fp16 looks 8% faster, but fp32 is uncertain by ±3.7% and fp16 by ±4.9%: not a difference
-    d = decide([m("fp32", "fp32", 38.0, 35.3, 36.4), m("fp16", "16-bit", 36.3, 33.4, 33.0)])
-    assert d.chosen == "fp32"
+def test_rounds_are_paired_so_drift_that_hits_both_plans_cancels():
+    # each round drifts by up to 8%, but fp16 is 5-10% faster in every one of them: faster
+    drifting = [m("fp32", "fp32", 38.0, 35.3, 36.4), m("fp16", "16-bit", 36.3, 33.4, 33.0)]
+    assert decide(drifting).chosen == "fp16"
+    # the same medians, but fp16 is slower in one round: not shown faster
+    mixed = [m("fp32", "fp32", 38.0, 35.3, 36.4), m("fp16", "16-bit", 33.0, 36.3, 33.4)]
+    assert decide(mixed).chosen == "fp32"
+
+
+def test_a_measurement_with_its_own_error_is_compared_unpaired():
+    from policies.do_no_harm import step_speedup
+
+    base = LiveMeasurement("fp32", "fp32", [0.100], se=0.01)
+    fast = LiveMeasurement("c", "candidate", [0.080], se=0.01)
+    s = step_speedup(base, fast)
+    assert s.value == pytest.approx(1.25) and s.se_log == pytest.approx(0.01 * 2 ** 0.5)
+    assert decide([base, fast]).compress
+    unsure = LiveMeasurement("c", "candidate", [0.095], se=0.05)
+    assert not decide([base, unsure]).compress

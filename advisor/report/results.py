@@ -10,42 +10,32 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from advisor.core.speedups import speedup
 from advisor.report.text import fitted_table, short_count, wrappable
 
 
 def render_result(result, console: Console | None = None) -> None:
-    """An :class:`advisor.tuning.results.AutotuneResult`: advice, why, measurements, trial, cost, buckets."""
+    """An :class:`advisor.tuning.results.AutotuneResult`: advice, why, the evidence, trial, cost, buckets."""
     console = console or Console()
     verdict = "compress" if result.compress else "do not compress"
     console.print(f"[bold]Advice ({result.where}, {result.world_size} ranks): {verdict}: "
                   f"{result.description}[/bold]")
     console.print(f"Why: {result.reason}")
-    table = Table(title="Measured live (interleaved rounds, slowest rank)")
-    for col, justify in (("plan", "left"), ("kind", "left"), ("ms/step", "right"), ("noise", "right"),
-                         ("predicted ms", "right"), ("vs fp32", "right")):
-        table.add_column(col, justify=justify)
-    fp32 = result.measured_s("fp32")
-    for m in sorted(result.measured, key=lambda m: m.median_s):
-        chosen = " <- chosen" if m.label == result.recommendation else ""
-        table.add_row(
-            (m.description or m.label) + chosen, m.kind, f"{m.median_s * 1e3:.1f}", f"±{m.noise:.1%}",
-            f"{m.predicted_s * 1e3:.1f}" if m.predicted_s else "-",
-            f"{speedup(fp32, m.median_s):.2f}x" if fp32 else "-",
-        )
-    console.print(table)
+    render_evidence(result, console)
     floor = result.predicted_s.get("compute_only")
     if floor:
         console.print(f"Compute-only floor (backward with communication off, measured by the profiler): "
                       f"{floor * 1e3:.1f} ms/step")
     s = result.speedup
     console.print(
-        f"Speed-up of the advice: measured {s.get('measured_vs_fp32', float('nan')):.2f}x vs fp32, "
+        f"Step speed-up of the advice: measured {s.get('measured_vs_fp32', float('nan')):.2f}x vs fp32, "
         f"{s.get('measured_vs_16bit', float('nan')):.2f}x vs 16-bit; predicted "
         f"{s.get('predicted_vs_fp32', float('nan')):.2f}x / {s.get('predicted_vs_16bit', float('nan')):.2f}x. "
         f"Fidelity ({result.fidelity_measure}) error {result.fidelity_error:.3g}, budget {result.fidelity_budget:.3g}: "
         + (result.budget_source or (f"the error of {result.reference} everywhere" if result.reference else "given"))
     )
+    if result.accuracy_unproven:
+        console.print(f"[bold]Accuracy not trialled[/bold] ({result.accuracy_unproven}): the speed-ups are per "
+                      "step, not to the same accuracy")
     if result.accuracy is not None:
         render_accuracy(result.accuracy, console)
     console.print(
@@ -58,23 +48,61 @@ def render_result(result, console: Console | None = None) -> None:
         render_buckets(result.buckets, console)
 
 
+def _bounded(value, low, high) -> str:
+    """A ratio over its 95% bounds, on two lines so that the table stays narrow."""
+    if value is None:
+        return "-"
+    return f"{value:.2f}x\n{low:.2f}-{high:.2f}"
+
+
+def render_evidence(result, console) -> None:
+    """Per measured plan: step time, step speed-up, step efficiency, time-to-accuracy speed-up, verdict."""
+    by_label = {m.label: m for m in result.measured}
+    base = next((e.label for e in result.evidence if e.step_speedup == 1.0 and e.step_low == 1.0), None)
+    cells = []
+    for e in result.evidence:
+        m = by_label[e.label]
+        chosen = " <- advice" if e.label == result.recommendation else ""
+        cells.append([wrappable((m.description or m.label) + chosen), f"{m.median_s * 1e3:.1f}",
+                      _bounded(e.step_speedup, e.step_low, e.step_high),
+                      _bounded(e.efficiency, e.efficiency_low, e.efficiency_high),
+                      _bounded(e.time_to_accuracy, e.tta_low, e.tta_high),
+                      e.status or ("baseline" if e.kind == "fp32" else "not trialled")])
+    title = ("Speed-ups over the best baseline" + (f" ({base})" if base else "") + ", with 95% bounds: per step "
+             "(live, interleaved rounds, slowest rank), step efficiency (fp32 steps per step, from the accuracy "
+             "trial), and to the same accuracy")
+    table = fitted_table(title, ("plan", "ms/step", "per step", "efficiency", "to accuracy", "verdict"), cells,
+                         "plan", console.width)
+    console.print(table)
+
+
 def render_accuracy(report, console) -> None:
-    """The accuracy trial: each arm's fidelity error, gap behind fp32 and verdict."""
+    """The accuracy trial: how sure it could be, and each arm's gap behind fp32, efficiency and verdict."""
     where = "held-out batches" if report.held_out else "the training batches (none held out)"
     table = Table(title=f"Accuracy trial: {report.steps} steps from the current weights, {report.metric} on {where}")
     for col, justify in (("plan", "left"), ("role", "left"), ("fidelity err", "right"),
-                         (f"final {report.metric}", "right"), ("gap vs fp32", "right"), ("verdict", "left")):
+                         (f"final {report.metric}", "right"), ("gap vs fp32", "right"), ("efficiency", "right"),
+                         ("verdict", "left")):
         # text columns wrap; numbers never do
         table.add_column(col, justify=justify, overflow="fold", no_wrap=justify == "right")
-
     for arm in report.arms:
+        trained = bool(arm.values)
         table.add_row(wrappable(arm.description), arm.kind,
                       f"{arm.fidelity_error:.3g}" if arm.fidelity_error is not None else "-",
-                      f"{arm.values[-1]:.4g}", f"{arm.gap:+.2%}" if arm.gap is not None else "diverged",
-                      "pass" if arm.accepted else "REJECTED")
+                      f"{arm.values[-1]:.4g}" if trained else "-",
+                      (f"{arm.gap:+.2%}" if arm.gap is not None else "diverged") if trained else "not run",
+                      f"{arm.efficiency:.2f}x" if arm.efficiency is not None else "-",
+                      arm.status)
     console.print(table)
-    console.print(f"Trial noise (two fp32 batch orders): {report.noise:.2%}; tolerance {report.tolerance:.2%}; "
-                  f"length: {report.length_reason}; {report.seconds:.1f} s")
+    power = ("powered" if report.powered else "NOT powered: no compressed plan can be proven")
+    console.print(f"How sure: the trial could detect a gap of {report.detectable:.2%} (80% power, 5%) against a "
+                  f"tolerance of {report.tolerance:.2%}: {power}. Noise from two fp32 batch orders (standard error "
+                  f"{report.se:.2%}); fp32 improved {report.progress:.1%}. Length: {report.length_reason}; "
+                  f"{report.seconds:.1f} s")
+    if not report.powered:
+        console.print(f"To prove more: {report.what_would_prove()}")
+    for warning in report.warnings:
+        console.print(f"[bold]Warning:[/bold] {warning}")
 
 
 def save_measured_vs_predicted_png(result, path) -> None:

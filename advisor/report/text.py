@@ -72,7 +72,8 @@ def fitted_table(title: str, headers: Sequence[str], cells: Sequence[Sequence[st
                  width: int) -> Table:
     """A table of numbers that fits ``width`` columns without cutting one: headers break at
     their spaces, numbers never wrap, and only the ``name`` column (text) wraps to make room."""
-    widths = [max([len(row[i]) for row in cells] + [max(len(w) for w in header.split())])
+    widths = [max([len(line) for row in cells for line in row[i].split("\n")]
+                  + [max(len(w) for w in header.split())])
               for i, header in enumerate(headers)]
     at = list(headers).index(name)
 

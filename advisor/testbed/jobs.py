@@ -12,7 +12,7 @@ from typing import Any
 from torch.nn.parallel import DistributedDataParallel
 
 from advisor.testbed.emulated import run_ranks
-from advisor.testbed.workloads import build_workload, load_factory
+from advisor.testbed.workloads import build_workload, load_factory, shard
 from advisor.tuning.autotune import StageLog, autotune
 from advisor.tuning.results import AutotuneResult
 from profilers.cluster import profile_cluster
@@ -60,7 +60,7 @@ def _autotune_rank(rank: int, world_size: int, spec: str, kwargs: dict):
     workload = build_workload(spec)
     ddp = DistributedDataParallel(workload.model)
     kwargs = {"evaluate": workload.evaluator(), "metric": workload.metric, **kwargs}
-    tuned = autotune(ddp, workload.loss_fn, workload.batches, workload.optimizer(), **kwargs)
+    tuned = autotune(ddp, workload.loss_fn, shard(workload.batches, rank, world_size), workload.optimizer(), **kwargs)
     if tuned.hook is not None:
         tuned.hook.close()
     return tuned.document() if rank == 0 else None

@@ -197,7 +197,7 @@ def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, ste
 
         tuned = copy.deepcopy(workload.model)
         ddp = DistributedDataParallel(tuned)
-        result = autotune(ddp, workload.loss_fn, batches, workload.optimizer(tuned), evaluate=evaluate,
+        result = autotune(ddp, workload.loss_fn, mine, workload.optimizer(tuned), evaluate=evaluate,
                           metric=workload.metric, install_plan=False, where=where, **autotune_kwargs)
         plan_dict = result.plan
         advice = f"autotune's advice: {result.reason}"

@@ -97,6 +97,15 @@ def build_workload(spec: str, seed: int = 0) -> Workload:
     return workload
 
 
+def shard(batches: Iterable[Any], rank: int, world_size: int) -> Iterable[Any]:
+    """This rank's share of a workload's batches, as data-parallel ranks see different data:
+    batch ``rank``, ``rank + world_size``, ...; an iterable that is not a list is left whole
+    (a loader shards itself, with a DistributedSampler)."""
+    if isinstance(batches, Sequence) and len(batches) >= world_size > 1:
+        return list(batches)[rank::world_size]
+    return batches
+
+
 def _cross_entropy(model: nn.Module, batch) -> torch.Tensor:
     x, y = batch
     return nn.functional.cross_entropy(model(x), y)
@@ -272,6 +281,14 @@ class _TextLM(nn.Module):
         h = self.embed(tokens) + self.position[:n]
         h = self.blocks(h, mask=self.causal[:n, :n], is_causal=True)
         return self.head(self.norm(h))
+
+
+def text_lm_sgd() -> Workload:
+    """:func:`text_lm` trained with momentum SGD (lr 0.1), as PowerSGD's authors trained their LMs."""
+    workload = text_lm()
+    workload.name = "stdlib-text-lm-sgd"
+    workload.make_optimizer = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return workload
 
 
 def text_lm() -> Workload:

@@ -10,21 +10,23 @@ trial does not train on), and one all-reduce averages the ranks' metrics; that o
 collective also carries each rank's failure flag, so an ``evaluate`` that raises ends the
 trial on every rank with the same error.
 
-The trial's length is chosen from its noise: the two fp32 arms run in chunks until the
-noise is estimated from at least ``noise_checkpoints`` paired checkpoints in the late
-window and the reference has improved ``signal_to_noise`` times the tolerance it judges
-with (see :mod:`policies.accuracy_gate`), up to ``max_steps`` or the time budget; every
-later arm trains for that many steps, unless it falls so far behind (``stop_behind`` times
-the tolerance, in the late window) that more steps cannot save it.
+The trial's length is chosen from the power it needs: the two fp32 arms run in chunks
+until the smallest gap the trial could detect is below the tolerance of the claim (1% of
+the metric by default; :mod:`policies.evidence`, :mod:`policies.accuracy_gate`), or
+until its budget (a share of the user's run, or seconds) is spent.  A trial that ends
+without that power clears no lossy plan; its report says how long one would need.  Every
+later arm trains for the trial's length, unless it falls so far behind (``stop_behind``
+times the tolerance, in the late window) that more steps cannot save it.
+
+Batches are drawn lazily from whatever the user holds (:class:`advisor.tuning.data.BatchStream`).
 """
 
 from __future__ import annotations
 
 import math
-import random
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,8 +37,10 @@ from torch.nn.parallel import DistributedDataParallel
 from advisor.core.collectives import every_rank, mean_over_ranks, rank, slowest, world_size
 from advisor.core.documents import check_int
 from advisor.runtime import Plan, install
+from advisor.tuning.data import BatchStream, draw_on_every_rank, set_aside_on_every_rank
 from advisor.tuning.live import LossFn, shadow_ddp
 from policies import accuracy_gate as gate
+from policies import evidence
 from profilers.training_state import clone_optimizer
 
 Evaluator = Callable[[nn.Module], Mapping[str, float]]
@@ -73,13 +77,17 @@ def held_out_loss(loss_fn: Callable[[nn.Module, Any], torch.Tensor], batches: Se
     return evaluate
 
 
-#: min_steps multiples before a trial whose fp32 progress stays inside its noise stops as uninformative
-UNINFORMATIVE_AFTER = 3
-
-
 @dataclass
 class ArmResult:
-    """One arm of the trial: its metric at every checkpoint (mean over ranks) and the verdict."""
+    """One arm of the trial: its metric at every checkpoint (mean over ranks) and the verdict.
+
+    ``status``: accepted, rejected or not proven (:mod:`policies.accuracy_gate`);
+    ``gap``: its mean late gap behind fp32 (relative, positive: worse; None: diverged or
+    not trained); ``efficiency``: fp32 steps per step of this arm, read from fp32's curve,
+    with the standard error of its logarithm (None where it cannot be read);
+    ``horizon_gap``: the gap extrapolated to the run's length where the trial showed it
+    growing.
+    """
 
     label: str
     kind: str
@@ -90,21 +98,50 @@ class ArmResult:
     reason: str
     gap: float | None = None
     fidelity_error: float | None = None
+    status: str = ""
+    efficiency: float | None = None
+    efficiency_se: float | None = None
+    horizon_gap: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in gate.ARM_KINDS:
             raise ValueError(f"arm kind {self.kind!r}; allowed: {gate.ARM_KINDS}")
+        if not self.status:
+            self.status = gate.ACCEPTED if self.accepted else gate.REJECTED
+        if self.status not in gate.STATUSES:
+            raise ValueError(f"arm status {self.status!r}; allowed: {gate.STATUSES}")
+        if self.accepted != (self.status == gate.ACCEPTED):
+            raise ValueError(f"arm {self.label!r}: accepted={self.accepted} contradicts status {self.status!r}")
+
+    def efficiency_estimate(self) -> evidence.Estimate | None:
+        """The step efficiency with its error, or None where the trial could not read it."""
+        if self.efficiency is None or self.efficiency_se is None:
+            return None
+        return evidence.Estimate(self.efficiency, self.efficiency_se)
 
 
 @dataclass
 class AccuracyTrialReport:
-    """What the trial measured: noise, length, every arm's curve and verdict, the earned budget."""
+    """What the trial measured: its noise and power, its length and why, every arm's curve and verdict.
+
+    ``tolerance``: the claim a lossy plan must prove (within this relative gap of fp32);
+    ``se``: the standard error of an arm's gap, from the two fp32 arms; ``detectable``:
+    the smallest gap the trial could detect (80% power, 5%); ``powered``: whether that
+    is within the tolerance and the trial long enough, so that lossy plans can be proven
+    at all; ``steps_needed``: about how many steps would make it so; ``kappa``: how fast
+    fp32 still improved late (a relative gap of ``kappa`` is worth a factor e in steps).
+    """
 
     metric: str
     higher_is_better: bool
     checkpoints: list[int]
-    noise: float
     tolerance: float
+    se: float
+    detectable: float
+    powered: bool
+    steps_needed: int
+    kappa: float
+    kappa_se: float
     progress: float
     held_out: bool
     length_reason: str
@@ -113,11 +150,15 @@ class AccuracyTrialReport:
     budget: float | None = None
     budget_reason: str = ""
     fidelity_measure: str = "gradient"
+    #: the run length the trial's gaps are extrapolated to (None: unknown)
+    horizon: int | None = None
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def informative(self) -> bool:
-        """Whether fp32 improved by more than the tolerance: otherwise no harm short of divergence shows."""
-        return self.progress > self.tolerance
+        """Whether fp32 improved by more than the trial could tell from noise: otherwise no harm
+        short of divergence shows."""
+        return self.progress > self.detectable
 
     @property
     def steps(self) -> int:
@@ -130,179 +171,249 @@ class AccuracyTrialReport:
         raise KeyError(f"no arm {label!r} in the accuracy trial; arms: {[a.label for a in self.arms]}")
 
     def rejected(self) -> list[ArmResult]:
-        return [a for a in self.arms if not a.accepted]
+        return [a for a in self.arms if a.status == gate.REJECTED]
+
+    def what_would_prove(self) -> str:
+        """What a trial would need to prove lossy plans, where this one could not ("" where it can)."""
+        if self.powered:
+            return ""
+        if not self.informative:
+            if self.progress > 2 * self.tolerance:  # it learned, but two fp32 runs end as far apart
+                return (f"fp32 improved the held-out {self.metric} {self.progress:.1%} in {self.steps} steps, but "
+                        f"two fp32 runs in different batch orders ended too far apart to read a gap (the trial "
+                        f"could detect {self.detectable:.1%}): judge by another metric (evaluate=, metric=), or "
+                        "more held-out data")
+            return (f"fp32 did not improve the held-out {self.metric} beyond the trial's noise in {self.steps} steps "
+                    f"({self.progress:+.2%}), so no gap can be read: pass batches of real data, or evaluate=")
+        late = len(evidence.late_window(self.checkpoints))
+        if self.detectable > self.tolerance:
+            seen = (f"the trial could detect gaps of {self.detectable:.2%} or more after {self.steps} steps, not "
+                    f"{self.tolerance:.2%}")
+        elif self.steps < gate.MIN_PROOF_STEPS or late < gate.MIN_LATE_CHECKPOINTS:
+            seen = (f"the trial ran {self.steps} steps with {late} late checkpoints; a compressed plan is proven "
+                    f"only after {gate.MIN_PROOF_STEPS} steps and {gate.MIN_LATE_CHECKPOINTS} late checkpoints")
+        else:
+            seen = (f"fp32's held-out {self.metric} no longer improved late in the trial, so a plan's gap cannot "
+                    "be read as steps")
+        return (f"{seen}; about {self.steps_needed} steps an arm would do (pass expected_steps= with your run's "
+                "length, or a larger trial_share= or trial_s=)")
 
 
 class AccuracyTrial:
-    """Paired short trials of plans against fp32; every rank calls every method in the same order.
+    """Paired trials of plans against fp32; every rank calls every method in the same order.
 
     Call :meth:`start` once (it runs the two fp32 arms and fixes the trial's length), then
     :meth:`trial` per plan, then :meth:`report`.  ``evaluate(model) -> {metric: value}``
     judges a model on this rank (default: the held-out loss over ``held_out``; without
-    either, the last quarter of ``batches`` (at most 8) is held out when there are 8 or more, else
-    the trial evaluates on the batches it trains on and says so).  ``min_tolerance``
-    is the smallest relative gap ever counted as harm (the fp32 arms can agree exactly,
-    with one batch for example).  ``time_budget_s`` bounds the whole trial, with
-    ``arms_expected`` arms in all (the fp32 pair included).
+    either, held-out batches come from ``batches``: see :meth:`BatchStream.held_out`).
+
+    The fp32 pair trains until the trial is *powered*, the smallest gap it could detect
+    below ``tolerance`` (:mod:`policies.accuracy_gate`), or until its budget: at most
+    ``budget_steps`` training steps over all ``arms_expected`` arms (the fp32 pair
+    included; a share of the user's run), ``time_budget_s`` seconds, and ``max_steps``
+    steps an arm.  It also stops once fp32 learns nothing its noise lets it see (after
+    ``min_steps``).  ``horizon``: the run's length in steps, to which growing gaps are
+    extrapolated.  ``se_floor`` bounds the noise from below (two fp32 arms can agree
+    exactly, with one batch for example).  ``judge_unpowered``: train lossy plans even in a
+    trial that is not powered, to measure their gaps (they are still never accepted).
     """
 
-    def __init__(self, ddp: DistributedDataParallel, loss_fn: LossFn, batches: Sequence[Any],
+    def __init__(self, ddp: DistributedDataParallel, loss_fn: LossFn, batches: Iterable[Any] | BatchStream,
                  optimizer: torch.optim.Optimizer, *, evaluate: Evaluator | None = None,
                  held_out: Sequence[Any] | None = None, metric: str = "loss",
-                 higher_is_better: bool | None = None, min_steps: int = 8, max_steps: int = 200,
-                 eval_every: int = 4, noise_checkpoints: int = 4, signal_to_noise: float = 8.0,
-                 min_tolerance: float = 0.002, stop_behind: float = 4.0, time_budget_s: float = 30.0,
-                 arms_expected: int = 6, group=None,
+                 higher_is_better: bool | None = None, tolerance: float = gate.DEFAULT_TOLERANCE,
+                 min_steps: int = 8, max_steps: int = 2000, eval_every: int = 4, se_floor: float = 0.0005,
+                 stop_behind: float = 4.0, time_budget_s: float | None = 60.0, budget_steps: int | None = None,
+                 horizon: int | None = None, arms_expected: int = 6, judge_unpowered: bool = False, group=None,
                  progress: Callable[[str], None] | None = None) -> None:
         if not isinstance(ddp, DistributedDataParallel):
             raise TypeError(f"the accuracy trial needs a DistributedDataParallel model, got {type(ddp).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"the accuracy trial needs the training optimizer, got {type(optimizer).__name__}")
         for name, value, minimum in (("min_steps", min_steps, 1), ("max_steps", max_steps, 1),
-                                     ("eval_every", eval_every, 1), ("arms_expected", arms_expected, 2),
-                                     ("noise_checkpoints", noise_checkpoints, 1)):
+                                     ("eval_every", eval_every, 1), ("arms_expected", arms_expected, 2)):
             check_int(name, value, minimum)
         if max_steps < min_steps:
             raise ValueError(f"max_steps={max_steps} < min_steps={min_steps}; allowed: max_steps >= min_steps")
-        for name, value in (("signal_to_noise", signal_to_noise), ("time_budget_s", time_budget_s),
-                            ("stop_behind", stop_behind)):
-            if not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"{name}={value!r}; allowed: a number > 0")
-        if not 0 <= min_tolerance < 1:
-            raise ValueError(f"min_tolerance={min_tolerance!r}; allowed: 0 <= min_tolerance < 1")
+        if not (isinstance(stop_behind, (int, float)) and stop_behind > 0):
+            raise ValueError(f"stop_behind={stop_behind!r}; allowed: a number > 0")
+        check_tolerance(tolerance)
+        if time_budget_s is not None and not (isinstance(time_budget_s, (int, float)) and time_budget_s > 0):
+            raise ValueError(f"time_budget_s={time_budget_s!r}; allowed: a number of seconds > 0, or None")
+        for name, value in (("budget_steps", budget_steps), ("horizon", horizon)):
+            if value is not None:
+                check_int(name, value, 1)
+        if not 0 <= se_floor < 1:
+            raise ValueError(f"se_floor={se_floor!r}; allowed: 0 <= se_floor < 1")
         check_evaluate(evaluate)
-        batches = list(batches)
-        if not batches:
-            raise ValueError("the accuracy trial needs at least one batch")
         self.ddp, self.loss_fn, self.optimizer, self.group = ddp, loss_fn, optimizer, group
         self.metric = metric
         self.higher = higher_is_better if higher_is_better is not None else _metric_higher_is_better(metric)
         self.min_steps, self.max_steps, self.eval_every = min_steps, max_steps, eval_every
-        self.signal_to_noise, self.min_tolerance = float(signal_to_noise), float(min_tolerance)
-        self.noise_checkpoints, self.stop_behind = noise_checkpoints, float(stop_behind)
-        self.time_budget_s, self.arms_expected = float(time_budget_s), arms_expected
+        self.tolerance, self.se_floor, self.stop_behind = float(tolerance), float(se_floor), float(stop_behind)
+        self.time_budget_s, self.budget_steps, self.horizon = time_budget_s, budget_steps, horizon
+        self.arms_expected, self.judge_unpowered = arms_expected, judge_unpowered
         self.say = progress or (lambda msg: None)
-        self._evaluate_arg, self._held_out_arg, self._batches = evaluate, held_out, batches
+        self._evaluate_arg, self._held_out_arg = evaluate, held_out
+        self.stream = batches if isinstance(batches, BatchStream) else BatchStream(batches)
         self._report: AccuracyTrialReport | None = None
 
     # --- the fp32 pair ---------------------------------------------------------------
     def start(self) -> AccuracyTrialReport:
-        """Run the fp32 reference and the other-order fp32 arm; fix noise, tolerance and length."""
+        """Run the fp32 reference and the other-order fp32 arm; fix noise, power and length."""
         t0 = time.perf_counter()
-        self.train, self.evaluate, held_out = self._split()
-        n = len(self.train)
-        self.order = list(range(n))
-        other = list(range(n))
-        random.Random(1).shuffle(other)
+        self.evaluate, held_out = self._evaluator()
         ref, noise_arm = self._arm(None)[:2], self._arm(None)[:2]
         t_eval = time.perf_counter()
         first = self._checkpoint([ref[0].module, noise_arm[0].module], initial=True)
         eval_s = self._elapsed(t_eval) / 2  # one evaluation of one model
         self.initial = first[0]
         curves = [[first[0]], [first[1]]]
-        checkpoints, step = [0], 0
-        chunk = self.eval_every
+        checkpoints, step, chunk = [0], 0, self.eval_every
+        was_powered = is_powered = False
         while True:
+            draw_on_every_rank(self.stream, step + chunk, self.group)
             t_chunk = time.perf_counter()
-            for (model, opt), order in ((ref, self.order), (noise_arm, other)):
-                self._steps(model, opt, order, step, chunk)
+            self._steps(*ref, self.stream.train, step, chunk)
+            self._steps(*noise_arm, self.stream.other_order, step, chunk)
             step_s = self._elapsed(t_chunk) / (2 * chunk)
             step += chunk
             values = self._checkpoint([ref[0].module, noise_arm[0].module])
             curves[0].append(values[0])
             curves[1].append(values[1])
             checkpoints.append(step)
-            noise = gate.noise_band(checkpoints, curves[0], curves[1], self.higher)
-            learned = gate.progress(curves[0], self.higher)
-            per_arm_s = self._elapsed(t0) / 2
             if not all(math.isfinite(v) for c in curves for v in c):
                 raise FloatingPointError(
                     f"the fp32 arm's held-out {self.metric} became NaN/Inf within {step} steps of the accuracy "
                     "trial; training diverges without compression too: check the learning rate and the batches")
-            enough_noise = len(gate.late_window(checkpoints)) >= self.noise_checkpoints
-            if step >= self.min_steps and enough_noise and gate.long_enough(learned, noise, self.signal_to_noise,
-                                                                            self.min_tolerance):
-                why = (f"fp32 improved {learned:.1%} in {step} steps, {self.signal_to_noise:g}x the "
-                       f"tolerance ({max(noise, self.min_tolerance):.2%}, from {self.noise_checkpoints} "
-                       "late checkpoints)")
+            noise = evidence.trial_noise(checkpoints, curves[0], curves[1], self.higher, self.se_floor)
+            kappa, _ = evidence.elasticity(checkpoints, curves[0], self.higher)
+            learned = gate.progress(curves[0], self.higher)
+            late = len(evidence.late_window(checkpoints))
+            was_powered, is_powered = is_powered, (
+                gate.powered(noise.detectable, self.tolerance, step, late) and kappa > 0)
+            if is_powered and was_powered:  # twice in a row: one lucky noise estimate does not end it
+                why = (f"powered after {step} steps: it could detect a gap of {noise.detectable:.2%} (tolerance "
+                       f"{self.tolerance:.2%}); fp32 improved {learned:.1%}")
                 break
-            # fp32 that learns nothing (random batches) ends the trial at once; a noise band that
-            # swamps real progress may still settle (fast early training differs most between
-            # batch orders), so that trial is declared uninformative only later
-            swamped = learned <= max(noise, self.min_tolerance)
-            flat = swamped and learned <= 2 * self.min_tolerance
-            if step >= self.min_steps and enough_noise and (
-                    flat or (swamped and step >= UNINFORMATIVE_AFTER * self.min_steps)):
-                why = (f"stopped after {step} steps: fp32 did not improve the held-out {self.metric} by more than "
-                       f"the noise ({learned:+.2%} vs {max(noise, self.min_tolerance):.2%}), so the trial can only "
-                       "catch divergence")
+            if self._learns_nothing(step, late, learned, noise.detectable):
+                why = (f"stopped after {step} steps: fp32's held-out {self.metric} improved {learned:+.2%}, no more "
+                       f"than the trial could tell from noise ({noise.detectable:.2%}), so it can only catch "
+                       "divergence")
                 break
+            # evaluate about a dozen times per doubling of the trial, and spend at most about a
+            # fifth of the trial's time evaluating
+            chunk = max(1, math.ceil(step / 12), math.ceil(4 * eval_s / max(step_s, 1e-9)))
             if step + chunk > self.max_steps:
-                why = f"stopped at max_steps={self.max_steps} (fp32 improved {learned:.1%}; noise {noise:.2%})"
+                why = f"stopped at max_steps={self.max_steps}, not powered: it could detect {noise.detectable:.2%}"
                 break
-            # where a step costs much more than an evaluation (a slow link), evaluate more often,
-            # so that even a short trial has late checkpoints enough for the sign test
-            chunk = max(1, min(self.eval_every, math.ceil(3 * eval_s / max(step_s, 1e-9))))
-            projected = per_arm_s * (step + chunk) / step * self.arms_expected
-            if step >= self.min_steps and projected > self.time_budget_s:
-                why = (f"stopped after {step} steps at the trial's time budget ({self.time_budget_s:g} s for "
-                       f"{self.arms_expected} arms; fp32 improved {learned:.1%}, noise {noise:.2%}): "
-                       "a short trial sees only large harm")
+            over = self._over_budget(t0, step, chunk)
+            if over:
+                why = f"stopped after {step} steps at {over}, not powered: it could detect {noise.detectable:.2%}"
                 break
-        if n == 1:
-            why += "; one training batch: both fp32 arms see the same batches, so the noise is not measured"
-        tolerance = max(noise, self.min_tolerance)
+        kappa, kappa_se = evidence.elasticity(checkpoints, curves[0], self.higher)
+        notes = [w for w in [self.stream.warn_if_memorising(step, self.say)] if w]
+        if self.stream.distinct == 1:
+            notes.append("one training batch: both fp32 arms see the same batches, so the noise is not measured")
         self._report = AccuracyTrialReport(
-            metric=self.metric, higher_is_better=self.higher, checkpoints=checkpoints, noise=noise,
-            tolerance=tolerance, progress=learned, held_out=held_out, length_reason=why, seconds=0.0)
+            metric=self.metric, higher_is_better=self.higher, checkpoints=checkpoints, tolerance=self.tolerance,
+            se=noise.se, detectable=noise.detectable, powered=is_powered and was_powered,
+            steps_needed=max(noise.steps_to_detect(step, self.tolerance), gate.MIN_PROOF_STEPS), kappa=kappa,
+            kappa_se=kappa_se,
+            progress=learned, held_out=held_out, length_reason=why, seconds=0.0, horizon=self.horizon,
+            warnings=notes)
         seconds = self._elapsed(t0)
         self._report.arms.append(ArmResult("fp32", gate.REFERENCE, "fp32 (native DDP)", curves[0], seconds / 2,
-                                           True, "the reference", 0.0, 0.0))
-        gap = gate.relative_gap(checkpoints, curves[1], curves[0], self.higher)
-        self._report.arms.append(ArmResult("fp32 (other order)", gate.NOISE, "fp32, batches in another order",
-                                           curves[1], seconds / 2, True, "the noise of the trial", gap, 0.0))
+                                           True, "the reference", 0.0, 0.0, efficiency=1.0, efficiency_se=0.0))
+        self._report.arms.append(self._judged("fp32 (other order)", gate.NOISE, "fp32, batches in another order",
+                                              curves[1], seconds / 2, 0.0, ""))
         self._report.seconds = seconds
         return self._report
+
+    def _learns_nothing(self, step: int, late: int, learned: float, detectable: float) -> bool:
+        """fp32 that learns nothing (random batches) ends the trial at once; progress that the
+        noise swamps may still emerge (fast early training differs most between batch orders),
+        so that trial is declared uninformative only later."""
+        if step < self.min_steps or late < 4 or learned > detectable:
+            return False
+        return learned <= 2 * evidence.POWER_Z * self.se_floor or step >= 3 * max(self.min_steps, gate.MIN_PROOF_STEPS)
+
+    def _over_budget(self, t0: float, step: int, chunk: int) -> str:
+        """What the next chunk would overrun (the step or the time budget, over every expected arm), or ""."""
+        upto = step + chunk
+        if self.budget_steps is not None and upto * self.arms_expected > self.budget_steps:
+            return f"the step budget ({self.budget_steps} steps for {self.arms_expected} arms, a share of the run)"
+        if self.time_budget_s is not None:
+            projected = self._elapsed(t0) / 2 * upto / step * self.arms_expected
+            if projected > self.time_budget_s:
+                return f"the time budget ({self.time_budget_s:g} s for {self.arms_expected} arms)"
+        return ""
 
     # --- one plan -------------------------------------------------------------------
     def trial(self, label: str, plan: Plan, kind: str = gate.CANDIDATE, description: str = "",
               fidelity_error: float | None = None) -> ArmResult:
-        """Train ``plan`` for the trial's length from the same start and batches; judge it against fp32."""
+        """Train ``plan`` for the trial's length from the same start and batches; judge it against fp32.
+
+        A lossy plan in a trial that is not powered is not trained at all: nothing it could
+        show would prove it.  Its verdict says what a trial would need.
+        """
         report = self._require_started()
+        if kind in gate.LOSSY_KINDS and not report.powered and not self.judge_unpowered:
+            arm = ArmResult(label, kind, description or label, [], 0.0, False,
+                            f"{description or label}: not proven: {report.what_would_prove()}", None, fidelity_error,
+                            status=gate.NOT_PROVEN)
+            report.arms.append(arm)
+            return arm
         self.say(f"accuracy trial: {label} ({report.steps} steps)")
         t0 = time.perf_counter()
         model, opt, hook = self._arm(plan)
         reference = report.arm("fp32").values
-        tolerance = report.tolerance if report.informative else math.inf
-        late = set(gate.late_window(report.checkpoints))
+        late = set(evidence.late_window(report.checkpoints))
+        limit = self.stop_behind * max(report.tolerance, report.detectable)
         stopped, behind = "", math.nan
         try:
             curve = [self.initial]
             for i, start in enumerate(report.checkpoints[:-1]):
-                self._steps(model, opt, self.order, start, report.checkpoints[i + 1] - start)
+                self._steps(model, opt, self.stream.train, start, report.checkpoints[i + 1] - start)
                 curve.append(self._checkpoint([model.module])[0])
                 if i + 1 in late and i + 2 < len(report.checkpoints):
-                    behind = gate.signed_relative(curve[-1:], reference[i + 1 : i + 2], self.higher)[0]
-                    if not math.isfinite(curve[-1]) or behind > self.stop_behind * tolerance:
+                    behind = evidence.signed_relative(curve[-1:], reference[i + 1 : i + 2], self.higher)[0]
+                    if not math.isfinite(curve[-1]) or behind > limit:
                         stopped = f" (stopped at step {report.checkpoints[i + 1]}: {behind:+.1%} behind)"
                         break
         finally:
             if hook is not None:
                 hook.close()
-        if stopped:  # judged by how far behind it was where it stopped
-            gap = behind if math.isfinite(curve[-1]) else math.inf
-        else:
-            gap = gate.relative_gap(report.checkpoints, curve, reference, self.higher)
-        behind = (not stopped and report.informative
-                  and gate.consistently_behind(report.checkpoints, curve, reference, self.higher))
-        verdict = gate.judge(description or label, gap, report.tolerance, behind, self.min_tolerance,
-                             informative=report.informative)
-        verdict.reason += stopped
-        arm = ArmResult(label, kind, description or label, curve, self._elapsed(t0), verdict.accepted,
-                        verdict.reason, gap if math.isfinite(gap) else None, fidelity_error)
+        arm = self._judged(label, kind, description or label, curve, self._elapsed(t0), fidelity_error, stopped,
+                           behind)
         report.arms.append(arm)
         report.seconds += arm.seconds
         return arm
+
+    def _judged(self, label: str, kind: str, description: str, curve: list[float], seconds: float,
+                fidelity_error: float | None, stopped: str, behind: float = math.nan) -> ArmResult:
+        """An arm's gap, efficiency, growth and verdict, from its curve."""
+        report = self._report
+        checkpoints, reference = report.checkpoints, report.arm("fp32").values
+        if stopped:  # judged by how far behind it was where it stopped
+            gap = behind if math.isfinite(curve[-1]) else math.inf
+            slope, slope_se = 0.0, math.inf
+        else:
+            gap = evidence.mean_gap(checkpoints, curve, reference, self.higher)
+            slope, slope_se = evidence.gap_growth(checkpoints, curve, reference, self.higher)
+        horizon_gap = evidence.gap_at_horizon(gap, slope, slope_se, report.steps, report.horizon)
+        if kind == gate.NOISE:  # it measures the trial; there is nothing to judge
+            verdict = gate.Verdict(gate.ACCEPTED, gap, gap, report.tolerance, "the noise of the trial")
+        else:
+            verdict = gate.judge(description, kind, gap, report.se, report.tolerance, is_powered=report.powered,
+                                 horizon_gap=horizon_gap, horizon=report.horizon,
+                                 not_powered_why=report.what_would_prove())
+        efficiency = evidence.step_efficiency(gap, report.se, report.kappa, report.kappa_se)
+        return ArmResult(label, kind, description, curve, seconds, verdict.accepted, verdict.reason + stopped,
+                         gap if math.isfinite(gap) else None, fidelity_error, status=verdict.status,
+                         efficiency=efficiency.value if efficiency else None,
+                         efficiency_se=efficiency.se_log if efficiency else None,
+                         horizon_gap=horizon_gap if horizon_gap != gap and math.isfinite(horizon_gap) else None)
 
     def report(self) -> AccuracyTrialReport:
         return self._require_started()
@@ -313,16 +424,17 @@ class AccuracyTrial:
             raise RuntimeError("call AccuracyTrial.start() before trialling plans")
         return self._report
 
-    def _split(self) -> tuple[list[Any], Evaluator, bool]:
-        batches = self._batches
-        if self._evaluate_arg is not None:
-            return batches, self._evaluate_arg, True
-        if self._held_out_arg:
-            return batches, held_out_loss(self.loss_fn, self._held_out_arg), True
-        if len(batches) >= 8:  # a quarter held out, at most 8 batches: each checkpoint evaluates them all
-            cut = len(batches) - min(8, max(2, len(batches) // 4))
-            return batches[:cut], held_out_loss(self.loss_fn, batches[cut:]), True
-        return batches, held_out_loss(self.loss_fn, batches), False
+    def _evaluator(self) -> tuple[Evaluator, bool]:
+        """The evaluator, and whether it judges on data that training never sees."""
+        if self._evaluate_arg is not None or self._held_out_arg:
+            set_aside_on_every_rank(self.stream, 0, self.group)
+            if self._evaluate_arg is not None:
+                return self._evaluate_arg, True
+            return held_out_loss(self.loss_fn, self._held_out_arg), True
+        held = set_aside_on_every_rank(self.stream, None, self.group)
+        if held:
+            return held_out_loss(self.loss_fn, held), True
+        return held_out_loss(self.loss_fn, self.stream.head(8)), False
 
     def _arm(self, plan: Plan | None):
         model = shadow_ddp(self.ddp)
@@ -330,10 +442,10 @@ class AccuracyTrial:
         hook = install(model, plan, group=self.group) if plan is not None else None
         return model, opt, hook
 
-    def _steps(self, model, opt, order: Sequence[int], start: int, count: int) -> None:
+    def _steps(self, model, opt, batch: Callable[[int], Any], start: int, count: int) -> None:
         for i in range(start, start + count):
             opt.zero_grad(set_to_none=True)
-            self.loss_fn(model, self.train[order[i % len(order)]]).backward()
+            self.loss_fn(model, batch(i)).backward()
             opt.step()
 
     def _elapsed(self, t0: float) -> float:
@@ -344,6 +456,13 @@ class AccuracyTrial:
         """The decisive metric of each model, averaged over ranks."""
         found = evaluate_on_every_rank(self.evaluate, models, self.metric, self.group, require_finite=initial)
         return [m[self.metric] for m in found]
+
+
+def check_tolerance(tolerance) -> None:
+    """Refuse a tolerance that is not a relative gap in (0, 1), naming what is allowed."""
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 < tolerance < 1:
+        raise ValueError(f"tolerance={tolerance!r}; allowed: a relative gap 0 < tolerance < 1 (0.01: within 1% of "
+                         "fp32's held-out metric)")
 
 
 def check_evaluate(evaluate) -> None:

@@ -1,20 +1,26 @@
 """``autotune``: profile the live cluster, search plans, prove the best live, install it.
 
-Called on every rank of a running job with the user's DDP model, a loss function and a
-few batches::
+Called on every rank of a running job with the user's DDP model, a loss function and
+batches (a list, or the DataLoader itself: batches are drawn as they are needed)::
 
-    result = advisor.autotune(ddp_model, loss_fn, batches, optimizer)
+    result = advisor.autotune(ddp_model, loss_fn, loader, optimizer, expected_steps=20_000)
     result.render()            # rich summary; result.to_json() for scripts
 
 1. Profile (compute, network, compressor kernels, fidelity) on the real ranks.
-2. Rank 0 searches (Optuna by default, seeded with the baselines and the greedy plan)
+2. The accuracy trial's fp32 pair measures how sure a trial of this model can be, within a
+   share of the run (``trial_share`` of ``expected_steps``); the fidelity budget is earned
+   from uniform plans the trial proves.
+3. Rank 0 searches (Optuna by default, seeded with the baselines and the greedy plan)
    for the fastest predicted plan within the fidelity budget and broadcasts the top few.
-3. Every rank measures them live, interleaved with native DDP fp32 and the 16-bit casts,
-   on a shadow copy of the model (the user's model and optimizer end as they began).
-4. Do no harm: compression is recommended only when it beats the best baseline by more
-   than the measured noise.  Rank 0 decides and broadcasts; the others check that their
-   own decision from the same (all-reduced) numbers agrees.
-5. The chosen plan is installed on the user's model, unless the advice is fp32: then
+4. Every rank measures them live, interleaved with native DDP fp32 and the 16-bit cast, on
+   a shadow copy of the model (the user's model and optimizer end as they began), in more
+   rounds while the comparison that decides is still unresolved.
+5. Do no harm to the time to accuracy: a compressed plan is installed only when the trial
+   proves it within the tolerance of fp32 and the lower bound of its time-to-accuracy
+   speed-up (step speed-up x step efficiency) beats the best baseline.  Where the evidence
+   cannot be had in the budget, the advice is the baseline, with what a trial would need.
+   Rank 0 decides and broadcasts.
+6. The chosen plan is installed on the user's model, unless the advice is fp32: then
    no hook is installed at all (native DDP is the fastest fp32 path).
 """
 
@@ -26,7 +32,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,25 +45,31 @@ from advisor.core.documents import check_int
 from advisor.core.speedups import speedups
 from advisor.runtime import Plan, install
 from advisor.tuning.accuracy import AccuracyTrial, Evaluator, check_evaluate
+from advisor.tuning.data import BatchStream, draw_on_every_rank, set_aside_on_every_rank
 from advisor.tuning.live import LossFn, measure_plans
-from advisor.tuning.results import AutotuneResult, TunedResult, bucket_rows
+from advisor.tuning.results import AutotuneResult, TunedResult, bucket_rows, plan_evidence
 from advisor.tuning.steps import (
     DEFAULT_CANDIDATES,
+    DEFAULT_TRIAL_SHARE,
     Arm,
     LazyTrial,
     baseline_arms,
     candidate_labels,
-    decide_for_accuracy,
+    check_trial_budget,
+    decide_time_to_accuracy,
     fidelity_error,
     final_plan,
     search,
     shared_profile,
     short_list,
     sixteen_bit_baseline,
+    trial_budget,
+    unprovable,
 )
 from policies import accuracy_gate as gate
 from policies.base import Policy
-from policies.do_no_harm import FP32, SIXTEEN_BIT, LiveMeasurement
+from policies.do_no_harm import FP32, SIXTEEN_BIT, LiveMeasurement, decide, step_speedup
+from policies.evidence import resolved
 from policies.greedy import GreedyPolicy
 from policies.learned import MeasurementSet, plan_features
 from policies.optuna_search import OptunaPolicy
@@ -68,6 +80,8 @@ from profilers.network import NETWORK_REUSE_S
 log = logging.getLogger("advisor.autotune")
 
 POLICIES = ("optuna", "greedy")
+#: batches the profilers and the live timing cycle through (timing needs no fresh data)
+TIMING_BATCHES = 8
 
 
 def _policy(policy, trials: int) -> Policy:
@@ -83,9 +97,12 @@ def _policy(policy, trials: int) -> Policy:
 def autotune(
     ddp_model: DistributedDataParallel,
     loss_fn: LossFn,
-    batches: Sequence[Any],
+    batches: Iterable[Any],
     optimizer: torch.optim.Optimizer | None = None,
     *,
+    expected_steps: int | None = None,
+    trial_share: float = DEFAULT_TRIAL_SHARE,
+    tolerance: float = gate.DEFAULT_TOLERANCE,
     candidates: Sequence[str] = DEFAULT_CANDIDATES,
     budget: float | None = None,
     reference: str | None = None,
@@ -93,13 +110,14 @@ def autotune(
     held_out: Sequence[Any] | None = None,
     metric: str = "loss",
     accuracy_trial: bool = True,
-    trial_s: float = 40.0,
+    trial_s: float | None = None,
     trial_options: Mapping[str, Any] | None = None,
     fidelity_measure: str | None = None,
     policy: str | Policy = "optuna",
     trials: int = 2000,
     top: int = 3,
     rounds: int = 3,
+    max_rounds: int = 8,
     steps: int = 5,
     measure_s: float = 1.0,
     warmup_steps: int = 10,
@@ -117,10 +135,18 @@ def autotune(
     Args:
         ddp_model: the user's DDP model; it ends with the weights it began with.
         loss_fn: ``loss_fn(model, batch) -> loss``.
-        batches: representative training batches (the profilers, the accuracy trial and
-            the live runs cycle through them; more batches make the trial surer).
+        batches: training batches: a list, or any iterable such as the DataLoader itself.
+            They are drawn as they are needed (the accuracy trial draws as many as it trains
+            on); a short list is cycled, with a warning where the trial would memorise it.
         optimizer: the training optimizer; the accuracy trial and the update-error fidelity
-            replay clones of it (its state too).  Without it accuracy cannot be trialled.
+            replay clones of it (its state too).  Without it accuracy cannot be trialled,
+            and no compressed plan can be proven.
+        expected_steps: the length of the run, in steps: the accuracy trial may take
+            ``trial_share`` of it (over all its arms), and gaps that grow are extrapolated
+            to it.  Without it the trial gets ``trial_s`` seconds.
+        trial_share: the share of the run the accuracy trial may take (0.02: 2%).
+        tolerance: the claim to prove: a compressed plan's held-out metric within this
+            relative gap of fp32's (0.01: 1%).
         candidates: configs the policy may choose per bucket (``none`` is always one).
         budget: the largest size-weighted fidelity error allowed.  Default: earned in the
             accuracy trial (the largest error of a uniform plan that kept up with fp32).
@@ -129,15 +155,17 @@ def autotune(
             held-out loss over ``held_out``, or over the last quarter of ``batches``).
         metric: the value of ``evaluate`` that decides (lower is better unless it names an
             accuracy-like metric).
-        accuracy_trial: trial every short-listed plan for accuracy (the gate); False trusts
-            the budget alone.
-        trial_s: the accuracy trial's time budget in seconds.
+        accuracy_trial: prove every plan that would be installed in a paired trial (the gate);
+            False decides on speed alone and trusts the budget (the result says so).
+        trial_s: the accuracy trial's time budget in seconds (default: 60 s where
+            ``expected_steps`` is not given, else none beyond the share).
         trial_options: more keyword arguments of :class:`advisor.tuning.accuracy.AccuracyTrial`
-            (``eval_every``, ``signal_to_noise``, ``min_tolerance``, ``max_steps``, ...).
+            (``eval_every``, ``max_steps``, ``se_floor``, ...).
         fidelity_measure: ``"gradient"`` (default) or ``"update"`` (through the optimizer).
-        top, rounds, steps, measure_s: how many of the best predicted plans are measured live,
-            in how many interleaved rounds of up to how many steps (about ``measure_s`` a plan
-            and round).
+        top, rounds, max_rounds, steps, measure_s: how many of the best predicted plans are
+            measured live, in how many interleaved rounds (up to ``max_rounds`` while the
+            comparison that decides is unresolved) of up to how many steps (about
+            ``measure_s`` a plan and round).
         warmup_steps: uncompressed steps at the start of the installed plan.
         residual_model: a fitted :class:`policies.learned.ResidualModel` (or the path of a
             measurement set) that corrects predictions when ranking.
@@ -151,16 +179,21 @@ def autotune(
     Raises:
         ValueError: a bad argument (before any work), or an ``evaluate`` that fails or
             returns non-finite values during the trial (on every rank; nothing changed).
+        advisor.tuning.data.BatchSourceError: the batches could not be drawn (the iterable
+            raised, or yielded none), on every rank, naming it.
     """
-    labels, earn = _checked_arguments(ddp_model, candidates, budget, reference, trials, top, rounds, steps,
-                                      warmup_steps, min_gain, measure_s, trial_s, evaluate)
+    labels, earn = _checked_arguments(ddp_model, candidates, budget, reference, trials, top, rounds, max_rounds,
+                                      steps, warmup_steps, min_gain, measure_s, trial_s, evaluate, expected_steps,
+                                      trial_share, tolerance)
     gated = accuracy_trial and optimizer is not None
     chosen_policy = _policy(policy, trials)
-    batches = list(batches)
-    if not batches:
-        raise ValueError("autotune needs at least one batch")
     say = progress or (lambda msg: None)
     t_start = time.perf_counter()
+    stream = BatchStream(batches)
+    # held-out batches leave the stream before any training batch is drawn
+    set_aside_on_every_rank(stream, 0 if evaluate is not None or held_out else None, group)
+    draw_on_every_rank(stream, TIMING_BATCHES, group)
+    batches = stream.head(TIMING_BATCHES)
 
     # 1. profile, on every rank; rank 0's profile is everyone's
     if profile is None:
@@ -181,8 +214,9 @@ def autotune(
     sixteen = sixteen_bit_baseline(problem, optimizer)
     trial = None
     if gated:
-        trial = _accuracy_trial(ddp_model, loss_fn, batches, optimizer, problem, earn,
-                                dict(evaluate=evaluate, held_out=held_out, metric=metric, time_budget_s=trial_s,
+        trial = _accuracy_trial(ddp_model, loss_fn, stream, optimizer, problem, earn,
+                                dict(evaluate=evaluate, held_out=held_out, metric=metric, tolerance=tolerance,
+                                     **trial_budget(expected_steps, trial_share, trial_s),
                                      group=group, progress=say, **dict(trial_options or {})), say)
     budget_source = _set_budget(problem, trial, chosen_policy, sixteen, earn, optimizer, reference, budget,
                                 metric, group)
@@ -199,15 +233,20 @@ def autotune(
 
     # 4. measure them live, interleaved, on a shadow copy
     t_measuring = time.perf_counter()
-    rounds_s = _measure(ddp_model, loss_fn, batches, optimizer, arms, rounds, steps, measure_s, group, say)
-    measured = [LiveMeasurement(label, arms[label].kind, rounds_s[label], arms[label].predicted_s,
-                                arms[label].description) for label in rounds_s]
+    rounds_s = _measure(ddp_model, loss_fn, batches, optimizer, arms, rounds, max_rounds, steps, measure_s, min_gain,
+                        group, say)
+    measured = _measurements_of(arms, rounds_s)
     t_measured = time.perf_counter()
 
-    # 5. decide: fastest beyond the noise, then proven for accuracy; rank 0 decides
-    judge = (lambda d: trial.judge_arm(arms[d.chosen])) if trial is not None else None
-    decision, checked, _ = decide_for_accuracy(measured, judge, min_gain=min_gain, group=group)
-    if checked:
+    # 5. decide: faster to the same accuracy beyond the noise; rank 0 decides
+    if trial is not None:
+        judge = lambda d: trial.judge_arm(arms[d.chosen])  # noqa: E731
+    elif accuracy_trial:
+        judge = unprovable("no optimizer was given, so no accuracy trial could run; pass the training optimizer")
+    else:
+        judge = None
+    decision, checked, _ = decide_time_to_accuracy(measured, judge, min_gain=min_gain, group=group)
+    if checked and trial is not None:
         checked = f"in autotune's {trial.trial.report().steps}-step trial: {checked}"
     t_decided = time.perf_counter()
 
@@ -217,8 +256,11 @@ def autotune(
                        metadata={"advisor": "autotune", **({"accuracy": checked} if checked else {})})
     hook = install(ddp_model, final, group=group) if install_plan and decision.kind != FP32 else None
 
+    verdicts = trial.verdicts() if trial is not None else {}
     result = _result(problem, found, top, decision, measured, rounds_s, arms, final, profile, where,
                      trial.report(problem.budget, budget_source) if trial is not None else None, budget_source,
+                     plan_evidence(measured, decision, verdicts),
+                     "" if accuracy_trial else "accuracy_trial=False: decided on speed per step alone",
                      {"profile": t_profiled - t_start, "accuracy": (t_trialled - t_profiled) + (t_decided - t_measured),
                       "search": t_searched - t_trialled, "measure": t_measured - t_measuring,
                       "total": time.perf_counter() - t_start})
@@ -227,8 +269,9 @@ def autotune(
     return TunedResult.beside(result, hook)
 
 
-def _checked_arguments(ddp_model, candidates, budget, reference, trials, top, rounds, steps, warmup_steps, min_gain,
-                       measure_s, trial_s, evaluate) -> tuple[list[str], bool]:
+def _checked_arguments(ddp_model, candidates, budget, reference, trials, top, rounds, max_rounds, steps, warmup_steps,
+                       min_gain, measure_s, trial_s, evaluate, expected_steps, trial_share,
+                       tolerance) -> tuple[list[str], bool]:
     """Refuse a bad argument before any work; return the config labels and whether the budget is to be earned."""
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"autotune needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
@@ -237,14 +280,16 @@ def _checked_arguments(ddp_model, candidates, budget, reference, trials, top, ro
     labels = candidate_labels(candidates, budget, reference)
     earn = budget is None and reference is None
     for name, value, minimum in (("trials", trials, 1), ("top", top, 1), ("rounds", rounds, 1),
-                                 ("steps", steps, 1), ("warmup_steps", warmup_steps, 0)):
+                                 ("max_rounds", max_rounds, rounds), ("steps", steps, 1),
+                                 ("warmup_steps", warmup_steps, 0)):
         check_int(name, value, minimum)
+    check_trial_budget(expected_steps, trial_share, tolerance)
     if not 0 <= min_gain < 1:
         raise ValueError(f"min_gain={min_gain!r}; allowed: 0 <= min_gain < 1")
     if not measure_s > 0:
         raise ValueError(f"measure_s={measure_s!r}; allowed: > 0 seconds")
-    if not (isinstance(trial_s, (int, float)) and trial_s > 0):
-        raise ValueError(f"trial_s={trial_s!r}; allowed: > 0 seconds")
+    if trial_s is not None and not (isinstance(trial_s, (int, float)) and trial_s > 0):
+        raise ValueError(f"trial_s={trial_s!r}; allowed: > 0 seconds, or None")
     check_evaluate(evaluate)
     return labels, earn
 
@@ -271,30 +316,51 @@ def _set_budget(problem, trial: LazyTrial | None, policy: Policy, sixteen: str |
         problem.budget = _uniform_error(problem, sixteen)
         return (f"not earned: {why_not}, so no compressed plan was trialled; the budget is the "
                 f"error of {sixteen or 'fp32'} everywhere")
-    if not trial.ensure_started().informative:
+    report = trial.ensure_started()
+    if not report.powered:
         problem.budget = _uniform_error(problem, parse(DEFAULT_REFERENCE).label)
-        return (f"assumed: the error of {DEFAULT_REFERENCE} everywhere; fp32 did not improve the "
-                f"held-out {metric} in the trial ({trial.trial.report().progress:+.2%}), so no budget "
-                "could be earned (pass batches of real data, or evaluate=)")
+        return (f"not earned: {report.what_would_prove()}; the search used the error of {DEFAULT_REFERENCE} "
+                "everywhere, and no compressed plan it found can be installed")
     lossy = sorted((c for c in problem.configs if c not in BASELINES),
                    key=lambda c: _uniform_error(problem, c))
     problem.budget, source = _earn_budget(problem, trial, lossy, sixteen)
     return source
 
 
-def _measure(ddp_model, loss_fn, batches, optimizer, arms: dict[str, Arm], rounds: int, steps: int,
-             measure_s: float, group, say) -> dict[str, list[float]]:
+def _measure(ddp_model, loss_fn, batches, optimizer, arms: dict[str, Arm], rounds: int, max_rounds: int,
+             steps: int, measure_s: float, min_gain: float, group, say) -> dict[str, list[float]]:
     """Each arm's round medians; fp32 runs as native DDP, without a hook.
 
     A slow plan is measured with fewer steps, about ``measure_s`` of steps per plan and
     round (at least one), so a slow baseline on a slow link does not dominate the tuning time.
+    After ``rounds`` rounds, more follow (up to ``max_rounds``) while the comparisons that
+    decide are unresolved (:func:`settled`).
     """
     plans = {label: arm.plan for label, arm in arms.items() if arm.kind != FP32}
     plan_steps = {label: max(1, min(steps, math.ceil(measure_s / max(arm.predicted_s, 1e-6))))
                   for label, arm in arms.items()}
-    say(f"measuring {len(plans) + 1} plans live, {rounds} interleaved rounds")
+    say(f"measuring {len(plans) + 1} plans live, {rounds} interleaved rounds (up to {max_rounds} while unresolved)")
     return measure_plans(ddp_model, loss_fn, batches, optimizer, plans, rounds=rounds, steps=plan_steps,
+                         max_rounds=max_rounds, settled=lambda r: settled(_measurements_of(arms, r), min_gain),
                          group=group, progress=say)
+
+
+def _measurements_of(arms: dict[str, Arm], rounds_s: Mapping[str, list[float]]) -> list[LiveMeasurement]:
+    return [LiveMeasurement(label, arms[label].kind, list(rounds_s[label]), arms[label].predicted_s,
+                            arms[label].description) for label in rounds_s]
+
+
+def settled(measured: Sequence[LiveMeasurement], min_gain: float = 0.0) -> bool:
+    """Whether more rounds would not change the speed decision: the 16-bit cast's speed-up over
+    fp32 and the fastest candidate's over the best baseline are each resolved
+    (:func:`policies.evidence.resolved`)."""
+    decision = decide(list(measured), min_gain=min_gain)
+    by_label = {m.label: m for m in measured}
+    fp32 = min((m for m in measured if m.kind == FP32), key=lambda m: m.median_s)
+    pairs = [(fp32, m) for m in measured if m.kind == SIXTEEN_BIT][:1]
+    if decision.best_candidate is not None:
+        pairs.append((by_label[decision.best_baseline], by_label[decision.best_candidate]))
+    return all(resolved(step_speedup(base, plan), min_gain) for base, plan in pairs)
 
 
 def _uniform_error(problem, config: str | None) -> float:
@@ -348,7 +414,7 @@ def _earn_budget(problem, trial: LazyTrial, lossy: Sequence[str], sixteen: str |
 
 
 def _result(problem, found, top: int, decision, measured, rounds_s, arms: dict[str, Arm], final, profile, where: str,
-            accuracy, budget_source: str, seconds: dict[str, float]) -> AutotuneResult:
+            accuracy, budget_source: str, evidence, unproven: str, seconds: dict[str, float]) -> AutotuneResult:
     """The result document: what was searched, measured, trialled and chosen, and what it cost."""
     where = where or profile.environment.note or "this cluster"
     by_label = {m.label: m for m in measured}
@@ -384,6 +450,8 @@ def _result(problem, found, top: int, decision, measured, rounds_s, arms: dict[s
         accuracy=accuracy,
         budget_source=budget_source,
         fidelity_measure=problem.fidelity_measure,
+        evidence=evidence,
+        accuracy_unproven=unproven,
     )
 
 

@@ -131,6 +131,8 @@ def measure_plans(
     rounds: int = 3,
     steps: int | Mapping[str, int] = 5,
     warmup: int = 2,
+    max_rounds: int | None = None,
+    settled: Callable[[dict[str, list[float]]], bool] | None = None,
     group=None,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, list[float]]:
@@ -144,6 +146,9 @@ def measure_plans(
         plans: ``{label: plan}`` to measure.
         native: also measure native DDP fp32, as ``"fp32"``.
         rounds: interleaved rounds (each gives one median per label).
+        max_rounds, settled: after ``rounds`` rounds, another while ``settled(result)`` is
+            False, up to ``max_rounds`` in all (every rank holds the same result, so every
+            rank stops at the same round).
         steps: timed steps per round, or per label (slow plans need fewer steps to be
             measured well, and cost the most cluster time).
         warmup: untimed steps the first time each model runs.
@@ -183,10 +188,13 @@ def measure_plans(
                 hook.set_plan(plans[label], reason=f"live measurement of {label}", verify=False)
                 return timed_steps(shadow, loss_fn, batches, shadow_opt, per_label[label], settle, finite=finite)
 
-            for r in range(rounds):
-                announce = (lambda label, r=r: progress(f"round {r + 1}/{rounds}: {label}")) if progress else None
+            r = 0
+            while r < rounds or (settled is not None and r < (max_rounds or rounds) and not settled(result)):
+                announce = (lambda label, r=r: progress(f"round {r + 1}/{max(rounds, r + 1)}: {label}")) \
+                    if progress else None
                 for label, seconds in _round(labels, run, used, warmup, group, announce).items():
                     result[label].append(seconds)
+                r += 1
     finally:
         if hook is not None:
             hook.close()

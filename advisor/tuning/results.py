@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -13,11 +14,13 @@ from advisor.report.results import render_result, save_measured_vs_predicted_png
 from advisor.runtime.plan import Plan
 from advisor.tuning.accuracy import AccuracyTrialReport
 from policies.baselines import SIXTEEN_BIT
-from policies.do_no_harm import LiveMeasurement
+from policies.do_no_harm import FP32, LiveMeasurement, step_speedup
+from policies.evidence import Estimate
 from policies.learned import Measurement
 
 RESULT_KIND = "compression-advisor/autotune-result"
-RESULT_VERSION = 1
+#: 2: the time-to-accuracy evidence of every measured plan (``evidence``), ``accuracy_unproven``
+RESULT_VERSION = 2
 
 
 @dataclass
@@ -33,6 +36,49 @@ class BucketRow:
     decode_s: float
     wire_bytes: int
     fidelity_error: float
+
+
+@dataclass
+class PlanEvidence:
+    """One live-measured plan's case against the best baseline, each number with its 95%
+    one-sided bounds: the step speed-up (interleaved rounds), the step efficiency (fp32 steps
+    per step, from the accuracy trial) and their product, the time-to-accuracy speed-up.
+    ``status``: the trial's verdict (accepted, rejected, not proven), "" where the plan was
+    not trialled; the efficiency and the time to accuracy are None where it was not read."""
+
+    label: str
+    kind: str
+    step_speedup: float
+    step_low: float
+    step_high: float
+    efficiency: float | None = None
+    efficiency_low: float | None = None
+    efficiency_high: float | None = None
+    time_to_accuracy: float | None = None
+    tta_low: float | None = None
+    tta_high: float | None = None
+    status: str = ""
+
+
+def plan_evidence(measured: Sequence[LiveMeasurement], decision, verdicts: Mapping[str, Any]) -> list[PlanEvidence]:
+    """Every measured plan's evidence against ``decision``'s best baseline; ``verdicts``: the
+    accuracy trial's arms by label (fp32 needs none: its efficiency is 1 by definition)."""
+    by_label = {m.label: m for m in measured}
+    base = by_label[decision.best_baseline]
+    rows = []
+    for m in sorted(measured, key=lambda m: m.median_s):
+        step = step_speedup(base, m) if m.label != base.label else Estimate(1.0, 0.0)
+        arm = verdicts.get(m.label)
+        efficiency = Estimate(1.0, 0.0) if m.kind == FP32 else (arm.efficiency_estimate() if arm else None)
+        row = PlanEvidence(m.label, m.kind, step.value, step.lower(), step.upper(),
+                           status=arm.status if arm is not None else "")
+        if efficiency is not None:
+            tta = step.times(Estimate(min(efficiency.value, 1.0), efficiency.se_log))
+            row.efficiency, row.efficiency_low, row.efficiency_high = (efficiency.value, efficiency.lower(),
+                                                                       efficiency.upper())
+            row.time_to_accuracy, row.tta_low, row.tta_high = tta.value, tta.lower(), tta.upper()
+        rows.append(row)
+    return rows
 
 
 def bucket_rows(problem, choices) -> list[BucketRow]:
@@ -80,6 +126,10 @@ class AutotuneResult(VersionedDocument):
     accuracy: AccuracyTrialReport | None = None
     budget_source: str = ""
     fidelity_measure: str = "gradient"
+    #: every measured plan's step speed-up, step efficiency and time-to-accuracy speed-up
+    evidence: list[PlanEvidence] = field(default_factory=list)
+    #: why accuracy was not trialled where the user turned the trial off ("" otherwise)
+    accuracy_unproven: str = ""
     kind: str = RESULT_KIND
     version: int = RESULT_VERSION
 

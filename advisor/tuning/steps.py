@@ -12,6 +12,7 @@ become everyone's (the search, the decision), rank 0's is broadcast.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,9 +21,11 @@ import numpy as np
 
 from advisor.compressors.registry import parse
 from advisor.core.collectives import from_rank_zero, rank
+from advisor.core.documents import check_int
 from advisor.runtime import Plan
-from advisor.tuning.accuracy import AccuracyTrial
+from advisor.tuning.accuracy import AccuracyTrial, ArmResult, check_tolerance
 from policies import accuracy_gate as gate
+from policies import evidence
 from policies.base import Policy, PolicyResult
 from policies.baselines import BASELINES, DEFAULT_REFERENCE
 from policies.baselines import SIXTEEN_BIT as SIXTEEN_BIT_CASTS
@@ -41,6 +44,31 @@ DEFAULT_CANDIDATES = (
     "none", "fp16", "bf16", "powersgd(rank=1)", "powersgd(rank=2)", "powersgd(rank=4)",
     "powersgd(rank=8)", "powersgd(rank=16)", "topk(ratio=0.01)", "intquant(bits=8, packed=0)",
 )
+
+
+#: the accuracy trial's time budget where the run's length is not given
+DEFAULT_TRIAL_S = 60.0
+#: the share of the run the accuracy trial may take, where its length is given
+DEFAULT_TRIAL_SHARE = 0.02
+
+
+def check_trial_budget(expected_steps, trial_share, tolerance) -> None:
+    """Refuse a bad run length, trial share or tolerance, naming the allowed values."""
+    if expected_steps is not None:
+        check_int("expected_steps", expected_steps, 1)
+    if isinstance(trial_share, bool) or not isinstance(trial_share, (int, float)) or not 0 < trial_share <= 1:
+        raise ValueError(f"trial_share={trial_share!r}; allowed: a share of the run 0 < trial_share <= 1 (0.02: 2%)")
+    check_tolerance(tolerance)
+
+
+def trial_budget(expected_steps: int | None, share: float, trial_s: float | None) -> dict[str, Any]:
+    """The accuracy trial's budget (:class:`AccuracyTrial` arguments): ``share`` of the run, in
+    training steps over every arm, where its length is known (and gaps are extrapolated to
+    it); else ``trial_s`` seconds (default :data:`DEFAULT_TRIAL_S`)."""
+    if expected_steps is None:
+        return {"budget_steps": None, "horizon": None, "time_budget_s": trial_s if trial_s is not None else DEFAULT_TRIAL_S}
+    return {"budget_steps": max(1, math.ceil(share * expected_steps)), "horizon": expected_steps,
+            "time_budget_s": trial_s}
 
 
 def candidate_labels(candidates: Sequence[str], budget: float | None = None, reference: str | None = None) -> list[str]:
@@ -141,16 +169,23 @@ def _arm(problem: TuningProblem, label: str, kind: str, choices: np.ndarray, des
 
 
 # --- 5. decide ----------------------------------------------------------------------------
-def decide_for_accuracy(measured: Sequence[LiveMeasurement], judge: Callable[[Decision], Any] | None, *,
-                        min_gain: float = 0.0, group=None) -> tuple[Decision, str, list[str]]:
-    """Do no harm for speed, then for accuracy: the decision and why its accuracy stands.
+def decide_time_to_accuracy(measured: Sequence[LiveMeasurement], judge: Callable[[Decision], Any] | None, *,
+                            min_gain: float = 0.0, group=None) -> tuple[Decision, str, list[str]]:
+    """Do no harm to the time to accuracy: the decision and why its accuracy stands.
 
-    Every rank calls it with the same measurements; rank 0's decision is broadcast.  Only the
-    plan do-no-harm chooses is judged (``judge(decision) -> ArmResult``, the accuracy trial);
-    a rejected one leaves the race and the choice falls to the next, down to fp32, which
-    needs no trial.  Returns ``(decision, accepted_reason, rejected_reasons)``;
-    ``accepted_reason`` is "" when nothing was judged, and the decision's reason names every
-    rejection with its numbers.
+    Every rank calls it with the same measurements; rank 0's decision is broadcast.  The
+    plan that do-no-harm chooses on speed is judged (``judge(decision) -> ArmResult``, the
+    accuracy trial).  A 16-bit cast stands unless the trial shows it harmful.  A compressed
+    plan must be proven within the tolerance, and the lower bound of its time-to-accuracy
+    speed-up, its step speed-up times its step efficiency (capped at 1: a compressed
+    gradient is not taken to learn faster than the exact one), must still beat the best
+    baseline by ``min_gain``.  A plan that fails leaves the race and the choice falls to
+    the next, down to fp32, which needs no trial.  ``judge=None``: speed alone decides
+    (the user turned the accuracy trial off).
+
+    Returns ``(decision, accepted_reason, rejected_reasons)``; ``accepted_reason`` is ""
+    when nothing was judged, and the decision's reason names every rejection with its
+    numbers.  A compressed decision carries its time-to-accuracy speed-up in ``tta``.
     """
     measured = list(measured)
     rejected: list[str] = []
@@ -164,17 +199,49 @@ def decide_for_accuracy(measured: Sequence[LiveMeasurement], judge: Callable[[De
         if judge is None or decision.kind == FP32:
             break
         arm = judge(decision)
-        if arm.accepted:
+        why_not = "" if arm.accepted else arm.reason
+        if arm.accepted and decision.kind == CANDIDATE:
+            tta = time_to_accuracy(decision, arm)
+            decision.tta = tta
+            if tta is None or not tta.lower() > 1 + min_gain:
+                why_not = (f"{arm.description}: proven within the tolerance, but its time to accuracy "
+                           + (f"{tta.describe()} vs {decision.best_baseline} (step speed-up x efficiency, 95% bounds) "
+                              "is not shown faster" if tta is not None else "cannot be read (fp32's curve is flat)"))
+        if not why_not:
             decision.reason += f"; accuracy: {arm.reason}"
+            if decision.tta is not None:
+                decision.reason += (f"; time to accuracy {decision.tta.describe()} vs {decision.best_baseline} "
+                                    "(95% bounds)")
             checked = arm.reason
             break
-        rejected.append(arm.reason)
+        rejected.append(why_not)
         measured = [m for m in measured if m.label != decision.chosen]
     if rejected:
         decision.reason = decision.reason.replace("no compressed candidate was measured",
-                                                  "no measured compressed candidate passed the accuracy trial")
-        decision.reason += "; rejected for accuracy: " + "; ".join(rejected)
+                                                  "no measured compressed candidate was proven for accuracy")
+        decision.reason += "; not installed for accuracy: " + "; ".join(rejected)
     return decision, checked, rejected
+
+
+def time_to_accuracy(decision: Decision, arm) -> evidence.Estimate | None:
+    """The time-to-accuracy speed-up of a candidate over the best baseline: step speed-up x
+    step efficiency (capped at 1), each with its error; None where the efficiency is unknown."""
+    efficiency = arm.efficiency_estimate()
+    if efficiency is None:
+        return None
+    capped = evidence.Estimate(min(efficiency.value, 1.0), efficiency.se_log)
+    return decision.step_speedup().times(capped)
+
+
+def unprovable(why: str) -> Callable[[Decision], Any]:
+    """A judge for when no accuracy trial can run: casts stand, compressed plans are not proven."""
+    def judge(decision: Decision):
+        kind = gate.SIXTEEN_BIT if decision.kind == SIXTEEN_BIT else gate.CANDIDATE
+        status = gate.ACCEPTED if kind == gate.SIXTEEN_BIT else gate.NOT_PROVEN
+        return ArmResult(decision.chosen, kind, decision.chosen, [], 0.0, status == gate.ACCEPTED,
+                         f"{decision.chosen}: " + ("a 16-bit cast, not trialled" if status == gate.ACCEPTED
+                                                   else f"not proven: {why}"), status=status)
+    return judge
 
 
 def fidelity_error(problem: TuningProblem, choices) -> float:
@@ -212,6 +279,10 @@ class LazyTrial:
         """The verdict on a raced arm (a 16-bit cast is judged as one)."""
         kind = gate.SIXTEEN_BIT if arm.kind == SIXTEEN_BIT else gate.CANDIDATE
         return self.judge(arm.label, arm.plan, arm.choices, kind, arm.description)
+
+    def verdicts(self) -> dict[str, Any]:
+        """Every plan judged so far, by its arm label."""
+        return {arm.label: arm for arm in self.arms.values()}
 
     def report(self, budget: float, budget_source: str):
         if not self.started:

@@ -75,13 +75,17 @@ class Race:
         """Nothing to remove: the race only sets the hook's plan."""
 
     def measurements(self) -> list[LiveMeasurement]:
-        """Every arm's median (slowest rank) with a band of two standard errors each side."""
+        """Every arm's median (slowest rank) with its relative standard error (the least precise rank's).
+
+        The arms ran one after another, not in paired rounds, so each carries its own error.
+        """
         labels = list(self.times)
         stats = [robust_median(self.times[label]) for label in labels]
         # medians and their standard errors share one collective; the slowest rank sets the pace
         merged = slowest([m for m, _ in stats] + [e for _, e in stats], self.group)
         medians, errors = merged[: len(labels)], merged[len(labels):]
-        return [LiveMeasurement(label, self.arms[label].kind, [m * (1 - min(2 * e, 0.99)), m, m * (1 + 2 * e)])
+        return [LiveMeasurement(label, self.arms[label].kind, [m], self.arms[label].predicted_s,
+                                self.arms[label].description, se=e)
                 for label, m, e in zip(labels, medians, errors)]
 
     def _next(self, now: float) -> None:

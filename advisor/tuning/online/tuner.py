@@ -49,7 +49,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,15 +63,20 @@ from advisor.tuning.online.trial import Race
 from advisor.tuning.online.watch import Watch, is_lossy
 from advisor.tuning.steps import (
     DEFAULT_CANDIDATES,
+    DEFAULT_TRIAL_SHARE,
     LazyTrial,
     baseline_arms,
     candidate_labels,
-    decide_for_accuracy,
+    check_trial_budget,
+    decide_time_to_accuracy,
     search,
     shared_profile,
     short_list,
     sixteen_bit_baseline,
+    trial_budget,
+    unprovable,
 )
+from policies import accuracy_gate as gate
 from policies.do_no_harm import FP32
 from policies.optuna_search import OptunaPolicy
 from policies.problem import TuningProblem
@@ -100,15 +105,17 @@ class OnlineTuner:
                  observe_steps: int = 8, trial_steps: int = 4, top: int = 2, trials: int = 500,
                  watch_every: int = 50, backoff: float = 0.8, budget: float | None = None,
                  plan: Plan | None = None, trial_precision: float = 0.02, max_trial_steps: int | None = None,
-                 loss_z: float = 3.0, trend_steps: int = 0, loss_fn=None, batches: Sequence | None = None,
-                 evaluate=None, held_out: Sequence | None = None, metric: str = "loss", trial_s: float = 40.0,
-                 trial_options: dict | None = None, group=None) -> None:
+                 loss_z: float = 3.0, trend_steps: int = 0, loss_fn=None, batches: Iterable | None = None,
+                 evaluate=None, held_out: Sequence | None = None, metric: str = "loss", trial_s: float | None = None,
+                 expected_steps: int | None = None, trial_share: float = DEFAULT_TRIAL_SHARE,
+                 tolerance: float = gate.DEFAULT_TOLERANCE, trial_options: dict | None = None, group=None) -> None:
         max_trial_steps = max_trial_steps if max_trial_steps is not None else 2 * trial_steps
         _check_arguments(ddp, optimizer, observe_steps, trial_steps, top, trials, watch_every, backoff,
-                         trial_precision, max_trial_steps, trend_steps, loss_z, loss_fn, batches, trial_s, evaluate)
+                         trial_precision, max_trial_steps, trend_steps, loss_z, loss_fn, batches, trial_s, evaluate,
+                         expected_steps, trial_share, tolerance)
         self._gate_args = None if batches is None else dict(
-            loss_fn=loss_fn, batches=list(batches), evaluate=evaluate, held_out=held_out, metric=metric,
-            time_budget_s=float(trial_s), **dict(trial_options or {}))
+            loss_fn=loss_fn, batches=batches, evaluate=evaluate, held_out=held_out, metric=metric,
+            tolerance=tolerance, **trial_budget(expected_steps, trial_share, trial_s), **dict(trial_options or {}))
         #: the accuracy trial's report, where the gate ran (``loss_fn`` and ``batches`` given)
         self.accuracy = None
         self.candidates = candidate_labels(candidates or DEFAULT_CANDIDATES, budget)
@@ -228,20 +235,29 @@ class OnlineTuner:
         profile = shared_profile(observation.profile(self.candidates, self.group), self.group)
         problem = TuningProblem.from_profile(profile, self.candidates, budget=self.budget)
         found = search(OptunaPolicy(n_trials=self.trials), problem, self.group)
-        arms = baseline_arms(problem, sixteen_bit_baseline(problem, self.optimizer)) + short_list(problem, found,
-                                                                                                  self.top)
+        arms = baseline_arms(problem, sixteen_bit_baseline(problem, self.optimizer))
+        candidates = short_list(problem, found, self.top)
+        # without accuracy evidence, racing a compressed plan on the user's own steps would cost
+        # accuracy for a plan that could never be installed
+        left_out = candidates if self._gate_args is None else []
         self._problem = problem
-        self._phase = Race(arms, self.hook, group=self.group, **self._race_settings)
+        self._phase = Race(arms + [c for c in candidates if c not in left_out], self.hook, group=self.group,
+                           **self._race_settings)
         self._note("profiled", f"profile and search took {time.perf_counter() - t0:.1f} s; trying "
-                               f"{len(arms)} plans for {self._phase.min_steps} steps each")
+                               f"{len(self._phase.arms)} plans for {self._phase.min_steps} steps each")
+        if left_out:
+            self._note("unproven", f"{len(left_out)} compressed plan(s) left out of the race (the best predicted "
+                                   f"{left_out[0].description}, {arms[0].predicted_s / left_out[0].predicted_s:.2f}x "
+                                   "fp32 per step): wrap was given no loss_fn and batches, so their accuracy cannot "
+                                   "be proven; pass loss_fn= and batches= (a DataLoader will do) to trial them")
         self._phase.start(time.perf_counter())
 
     def _decide(self) -> None:
         """Race -> watch: do no harm on the race's medians, then the accuracy gate."""
         race = self._phase
-        decision, checked, rejected = decide_for_accuracy(race.measurements(), self._accuracy_judge(race),
-                                                          group=self.group)
-        if checked:
+        decision, checked, rejected = decide_time_to_accuracy(race.measurements(), self._accuracy_judge(race),
+                                                              group=self.group)
+        if checked and self.accuracy is not None:
             self._note("accuracy", f"{decision.chosen} passed the {self.accuracy.steps}-step paired trial: {checked}")
         elif self.accuracy is not None and decision.kind == FP32:
             self._note("accuracy", "no plan faster than fp32 passed the paired trial; fp32 stands")
@@ -267,7 +283,7 @@ class OnlineTuner:
         The trial starts (its two fp32 arms) only when a plan other than fp32 wins on speed.
         """
         if self._gate_args is None:
-            return None
+            return unprovable("wrap was given no loss_fn and batches")
         args = dict(self._gate_args)
         loss_fn, batches = args.pop("loss_fn"), args.pop("batches")
         trial = LazyTrial(AccuracyTrial(self.ddp, loss_fn, batches, self.optimizer, group=self.group,
@@ -320,7 +336,8 @@ class UpdateClock:
 
 
 def _check_arguments(ddp, optimizer, observe_steps, trial_steps, top, trials, watch_every, backoff, trial_precision,
-                     max_trial_steps, trend_steps, loss_z, loss_fn, batches, trial_s, evaluate) -> None:
+                     max_trial_steps, trend_steps, loss_z, loss_fn, batches, trial_s, evaluate, expected_steps,
+                     trial_share, tolerance) -> None:
     """Refuse a bad argument before anything is installed, naming it and the allowed values."""
     if not isinstance(ddp, DistributedDataParallel):
         raise TypeError(f"wrap needs a DistributedDataParallel model, got {type(ddp).__name__}")
@@ -343,11 +360,10 @@ def _check_arguments(ddp, optimizer, observe_steps, trial_steps, top, trials, wa
     if batches is not None and optimizer is None:
         raise ValueError("the accuracy gate trains copies of the model with a clone of the training optimizer; "
                          "pass it: wrap(ddp_model, optimizer, loss_fn=..., batches=...)")
-    if batches is not None and not list(batches):
-        raise ValueError("batches is empty; the accuracy gate needs at least one batch of real training data")
-    if not (isinstance(trial_s, (int, float)) and trial_s > 0):
-        raise ValueError(f"trial_s={trial_s!r}; allowed: > 0 seconds")
+    if trial_s is not None and not (isinstance(trial_s, (int, float)) and trial_s > 0):
+        raise ValueError(f"trial_s={trial_s!r}; allowed: > 0 seconds, or None")
     check_evaluate(evaluate)
+    check_trial_budget(expected_steps, trial_share, tolerance)
 
 
 def _no_autocast():

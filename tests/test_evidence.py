@@ -1,0 +1,189 @@
+"""Evidence for "faster to the same accuracy": the numbers, the verdicts and the decision, on numbers."""
+
+import math
+import random
+
+import pytest
+
+from advisor.tuning.accuracy import ArmResult
+from advisor.tuning.steps import decide_time_to_accuracy, unprovable
+from policies import accuracy_gate as gate
+from policies import evidence as ev
+from policies.do_no_harm import LiveMeasurement
+
+
+# --- speed ------------------------------------------------------------------------------------------
+def test_a_paired_speedup_is_the_geometric_mean_of_round_ratios_with_a_t_interval():
+    s = ev.paired_speedup([0.200, 0.220, 0.210], [0.100, 0.100, 0.105])
+    ratios = [2.0, 2.2, 2.0]
+    assert s.value == pytest.approx(math.prod(ratios) ** (1 / 3))
+    assert s.dof == 2 and s.lower() < s.value < s.upper()
+    one = ev.paired_speedup([0.2], [0.1])
+    assert one.value == pytest.approx(2.0) and one.lower() == 0.0, "one round says nothing about the noise"
+    with pytest.raises(ValueError, match="match in number"):
+        ev.paired_speedup([0.2, 0.2], [0.1])
+
+
+def test_more_agreeing_rounds_narrow_the_interval():
+    rng = random.Random(0)
+    few = ev.paired_speedup(*zip(*[(0.2 * (1 + rng.gauss(0, 0.03)), 0.1) for _ in range(3)]))
+    many = ev.paired_speedup(*zip(*[(0.2 * (1 + rng.gauss(0, 0.03)), 0.1) for _ in range(12)]))
+    assert many.upper() / many.lower() < few.upper() / few.lower()
+
+
+def test_a_comparison_is_resolved_when_its_bounds_leave_no_doubt_either_way():
+    assert ev.resolved(ev.Estimate(1.5, 0.05))                 # clearly faster
+    assert ev.resolved(ev.Estimate(0.9, 0.02))                 # clearly no faster
+    assert ev.resolved(ev.Estimate(1.0, 0.005))                # at most 1% faster: not worth having
+    assert not ev.resolved(ev.Estimate(1.05, 0.05))            # could be 13% faster or 3% slower
+
+
+def test_estimates_multiply_with_their_errors_in_quadrature():
+    a, b = ev.Estimate(2.0, 0.03, 4), ev.Estimate(0.9, 0.04)
+    c = a.times(b)
+    assert c.value == pytest.approx(1.8) and c.se_log == pytest.approx(0.05)
+    assert 4 < c.dof < math.inf and c.lower() < 1.8 < c.upper()
+
+
+# --- accuracy: noise, power, efficiency, growth ------------------------------------------------------
+STEPS = list(range(0, 201, 10))
+
+
+def curve(kappa=0.1, offset=0.0, wiggle=0.0, seed=0):
+    """A power-law loss curve 5 s^-kappa, ``offset`` worse (relative), with white noise ``wiggle``."""
+    rng = random.Random(seed)
+    return [5.0 * max(s, 1) ** -kappa * (1 + offset + rng.gauss(0, wiggle)) for s in STEPS]
+
+
+def test_the_trial_noise_counts_a_persistent_offset_in_full_and_averages_the_rest():
+    ref = curve()
+    wandering = curve(wiggle=0.005, seed=1)
+    shifted = curve(offset=0.005, wiggle=0.005, seed=1)
+    a = ev.trial_noise(STEPS, ref, wandering, False)
+    b = ev.trial_noise(STEPS, ref, shifted, False)
+    assert a.checkpoints == len(ev.late_window(STEPS)) == 10
+    assert a.se < 0.005, "white noise averages down over the late checkpoints"
+    assert b.se >= 0.005 > a.se, "an offset between two equally good runs does not average away"
+    assert b.detectable == pytest.approx(ev.POWER_Z * b.se)
+    assert ev.trial_noise(STEPS, ref, ref, False, floor=0.001).se == 0.001, "identical arms: the floor"
+
+
+def test_a_correlated_wander_counts_as_fewer_observations_than_white_noise():
+    ref = curve()
+    rng = random.Random(3)
+    walk, x = [], 0.0
+    for _ in STEPS:
+        x = 0.9 * x + rng.gauss(0, 0.003)
+        walk.append(x)
+    wandering = [r * (1 + w) for r, w in zip(ref, walk)]
+    white = curve(wiggle=0.003, seed=3)
+    assert ev.trial_noise(STEPS, ref, wandering, False).effective < ev.trial_noise(STEPS, ref, white, False).effective
+
+
+def test_a_longer_trial_is_said_to_need_the_steps_its_noise_implies():
+    noise = ev.TrialNoise(se=0.005, offset=0.0, spread=0.01, effective=5, checkpoints=10)
+    assert noise.detectable == pytest.approx(0.014)
+    assert noise.steps_to_detect(100, 0.01) == math.ceil(100 * 1.4 ** 2)
+    assert noise.steps_to_detect(100, 0.02) == 100
+
+
+def test_step_efficiency_is_read_from_fp32s_own_curve():
+    ref = curve(kappa=0.1)
+    kappa, kappa_se = ev.elasticity(STEPS, ref, False)
+    assert kappa == pytest.approx(0.1, rel=0.05) and kappa_se < 0.01
+    # a plan 1% behind on a curve with kappa 0.1 is worth exp(-0.1) fp32 steps per step
+    e = ev.step_efficiency(0.01, 0.001, kappa, kappa_se)
+    assert e.value == pytest.approx(math.exp(-0.01 / kappa)) and e.lower() < e.value < e.upper()
+    # accuracy that rises: the same reading, signed the other way
+    acc = [0.9 - 0.5 * max(s, 1) ** -0.5 for s in STEPS]
+    assert ev.elasticity(STEPS, acc, True)[0] > 0
+    flat = [2.0] * len(STEPS)
+    assert ev.elasticity(STEPS, flat, False)[0] == 0.0
+    assert ev.step_efficiency(0.01, 0.001, 0.0, 0.0) is None, "a flat curve gives no efficiency"
+
+
+def test_a_growing_gap_is_extrapolated_to_the_run_and_a_steady_one_is_not():
+    ref = curve()
+    growing = [r * (1 + 0.002 * math.log(max(s, 1))) for r, s in zip(ref, STEPS)]
+    steady = curve(offset=0.004, wiggle=0.001, seed=2)
+    slope, se = ev.gap_growth(STEPS, growing, ref, False)
+    assert slope == pytest.approx(0.002, rel=0.01) and slope > se
+    gap = ev.mean_gap(STEPS, growing, ref, False)
+    assert ev.gap_at_horizon(gap, slope, se, 200, 20_000) == pytest.approx(gap + 0.002 * math.log(100))
+    assert ev.gap_at_horizon(gap, slope, se, 200, None) == gap
+    s_slope, s_se = ev.gap_growth(STEPS, steady, ref, False)
+    steady_gap = ev.mean_gap(STEPS, steady, ref, False)
+    assert ev.gap_at_horizon(steady_gap, s_slope, s_se, 200, 20_000) == pytest.approx(steady_gap, abs=0.002)
+
+
+# --- verdicts ----------------------------------------------------------------------------------------------
+def test_a_trial_is_powered_only_when_long_enough_and_able_to_see_the_tolerance():
+    assert gate.powered(0.008, 0.01, 60, 8)
+    assert not gate.powered(0.012, 0.01, 60, 8), "could not have shown a 1% gap"
+    assert not gate.powered(0.001, 0.01, 8, 8), "a handful of steps never proves a lossy plan"
+    assert not gate.powered(0.001, 0.01, 60, 3)
+
+
+def test_a_lossy_plan_needs_a_powered_trial_and_an_upper_bound_within_the_tolerance():
+    proven = gate.judge("p", gate.CANDIDATE, 0.002, 0.003, 0.01, is_powered=True)
+    assert proven.accepted and proven.bound == pytest.approx(0.002 + 1.645 * 0.003, abs=1e-4)
+    too_close = gate.judge("p", gate.CANDIDATE, 0.006, 0.003, 0.01, is_powered=True)
+    assert too_close.status == gate.REJECTED and "beyond the tolerance" in too_close.reason
+    unproven = gate.judge("p", gate.CANDIDATE, 0.0, 0.01, 0.01, is_powered=False, not_powered_why="a reason")
+    assert unproven.status == gate.NOT_PROVEN and "a reason" in unproven.reason
+    plainly_bad = gate.judge("p", gate.CANDIDATE, 0.08, 0.01, 0.01, is_powered=False)
+    assert plainly_bad.status == gate.REJECTED, "harm beyond doubt is a rejection even in a short trial"
+    assert gate.judge("p", gate.LADDER, math.inf, 0.001, 0.01, is_powered=True).status == gate.REJECTED
+    grows = gate.judge("p", gate.CANDIDATE, 0.001, 0.001, 0.01, is_powered=True, horizon_gap=0.02, horizon=10_000)
+    assert grows.status == gate.REJECTED and "growing" in grows.reason
+
+
+def test_a_cast_is_a_baseline_rejected_only_on_shown_harm():
+    assert gate.judge("bf16", gate.SIXTEEN_BIT, 0.005, 0.01, 0.01, is_powered=False).accepted
+    harmed = gate.judge("fp16", gate.SIXTEEN_BIT, 0.05, 0.01, 0.01, is_powered=False)
+    assert harmed.status == gate.REJECTED and "95% bound" in harmed.reason
+
+
+# --- the decision: to the same accuracy ---------------------------------------------------------------------
+def rounds(label, kind, *ms):
+    return LiveMeasurement(label, kind, [x / 1e3 for x in ms])
+
+
+MEASURED = [rounds("fp32", "fp32", 300, 310, 305), rounds("bf16", "16-bit", 200, 205, 202),
+            rounds("c1", "candidate", 100, 104, 101), rounds("c2", "candidate", 150, 152, 151)]
+
+
+def verdict(label, status, efficiency=None, se=0.02):
+    return ArmResult(label, gate.CANDIDATE if label.startswith("c") else gate.SIXTEEN_BIT, label, [1.0], 1.0,
+                     status == gate.ACCEPTED, f"{label}: {status}", 0.0, status=status,
+                     efficiency=efficiency, efficiency_se=se if efficiency is not None else None)
+
+
+def test_the_plan_installed_is_faster_to_the_same_accuracy_not_only_per_step():
+    verdicts = {"c1": verdict("c1", gate.ACCEPTED, 0.5), "c2": verdict("c2", gate.ACCEPTED, 0.98),
+                "bf16": verdict("bf16", gate.ACCEPTED)}
+    decision, checked, rejected = decide_time_to_accuracy(MEASURED, lambda d: verdicts[d.chosen])
+    # c1 steps 2x faster than bf16 but is worth only half an fp32 step: no faster to accuracy
+    assert decision.chosen == "c2" and decision.compress
+    assert decision.tta is not None and decision.tta.lower() > 1
+    assert rejected and "c1" in rejected[0] and "time to accuracy" in rejected[0]
+    assert "time to accuracy" in decision.reason
+
+
+def test_an_unproven_plan_leaves_the_baseline_standing_with_the_reason():
+    verdicts = {"c1": verdict("c1", gate.NOT_PROVEN), "c2": verdict("c2", gate.REJECTED),
+                "bf16": verdict("bf16", gate.ACCEPTED)}
+    decision, _, rejected = decide_time_to_accuracy(MEASURED, lambda d: verdicts[d.chosen])
+    assert decision.chosen == "bf16" and not decision.compress
+    assert len(rejected) == 2 and "not proven" in decision.reason
+
+
+def test_an_efficiency_above_one_is_capped_so_luck_cannot_make_a_plan_look_faster():
+    verdicts = {"c1": verdict("c1", gate.ACCEPTED, 1.4)}
+    decision, _, _ = decide_time_to_accuracy(MEASURED, lambda d: verdicts[d.chosen])
+    assert decision.tta.value == pytest.approx(decision.step_speedup().value)
+
+
+def test_without_an_optimizer_no_compressed_plan_can_be_proven():
+    decision, _, rejected = decide_time_to_accuracy(MEASURED, unprovable("no optimizer"))
+    assert decision.chosen == "bf16" and all("no optimizer" in r for r in rejected)
