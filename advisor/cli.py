@@ -22,7 +22,7 @@ from advisor.report.results import render_search
 from advisor.report.text import render_plan, render_profile
 from advisor.runtime import Plan
 from advisor.testbed.bench import MODELS, render_row, run_benchmark
-from advisor.testbed.demo import demo_cluster_description, run_demo
+from advisor.testbed.demo import DEMO_RUN_STEPS, demo_cluster_description, run_demo
 from advisor.testbed.emulated import parse_rate, unavailable_reason
 from advisor.testbed.jobs import profile_model
 from advisor.testbed.launch import RankFailed, leave_together
@@ -213,7 +213,7 @@ def whatif_cmd(profile_path, world_size, bandwidth, latency, speedup, budget, re
 @click.option("--rounds", default=3, show_default=True, help="Interleaved rounds of live measurement.")
 @click.option("--json", "as_json", is_flag=True, help="Print the autotune result as JSON for scripts.")
 def demo_cmd(steps: int, rounds: int, as_json: bool) -> None:
-    """Autotune a bundled 5.3M-parameter MLP on a local 2-process cluster and print the advice."""
+    """Autotune a bundled text LM (real text, momentum SGD) on a local 2-process cluster and print the advice."""
     if steps < 1 or rounds < 1:
         fail(f"--steps={steps} --rounds={rounds}; allowed: integers >= 1")
     where = demo_cluster_description()
@@ -222,7 +222,9 @@ def demo_cmd(steps: int, rounds: int, as_json: bool) -> None:
         return
 
     console = Console()
-    console.print(f"Autotuning on {where} (about a minute); rank 0's stages:", highlight=False)
+    console.print(f"Autotuning a 1.5M-parameter transformer LM on the standard library's sources, for a run of "
+                  f"{DEMO_RUN_STEPS:,} steps, on {where} (about a minute and a half); rank 0's stages:",
+                  highlight=False)
     result = run_demo(steps=steps, rounds=rounds, show_progress=True)
     result.render(console)
 

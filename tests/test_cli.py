@@ -73,6 +73,11 @@ def test_demo_autotunes_and_prints_the_advice_as_json(runner):
     assert {"fp32", "16-bit"} <= kinds
     assert data["recommendation"] in {m["label"] for m in data["measured"]}
     assert data["reason"]
+    # the evidence beside the speed-up: the trial's power, and every plan's case
+    assert data["accuracy"]["tolerance"] == 0.01 and data["accuracy"]["detectable"] > 0
+    assert {e["label"] for e in data["evidence"]} == {m["label"] for m in data["measured"]}
+    if data["compress"]:
+        assert data["accuracy"]["powered"]
 
 
 def test_demo_refuses_bad_numbers(runner):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 from rich.console import Console
-from rich.table import Table
 
 from advisor.report.text import fitted_table, short_count, wrappable
 
@@ -68,32 +67,33 @@ def render_evidence(result, console) -> None:
                       _bounded(e.efficiency, e.efficiency_low, e.efficiency_high),
                       _bounded(e.time_to_accuracy, e.tta_low, e.tta_high),
                       e.status or ("baseline" if e.kind == "fp32" else "not trialled")])
-    title = ("Speed-ups over the best baseline" + (f" ({base})" if base else "") + ", with 95% bounds: per step "
-             "(live, interleaved rounds, slowest rank), step efficiency (fp32 steps per step, from the accuracy "
-             "trial), and to the same accuracy")
+    title = ("Against the best baseline" + (f" ({base})" if base else "") + ", with 95% bounds: speed-up per step "
+             "(live), step efficiency (fp32 steps per step, from the accuracy trial), speed-up to the same accuracy")
     table = fitted_table(title, ("plan", "ms/step", "per step", "efficiency", "to accuracy", "verdict"), cells,
                          "plan", console.width)
     console.print(table)
 
 
+#: the roles of the trial's own arms, in a word
+_ROLES = {"fp32": "fp32", "fp32 (other order)": "noise"}
+
+
 def render_accuracy(report, console) -> None:
     """The accuracy trial: how sure it could be, and each arm's gap behind fp32, efficiency and verdict."""
     where = "held-out batches" if report.held_out else "the training batches (none held out)"
-    table = Table(title=f"Accuracy trial: {report.steps} steps from the current weights, {report.metric} on {where}")
-    for col, justify in (("plan", "left"), ("role", "left"), ("fidelity err", "right"),
-                         (f"final {report.metric}", "right"), ("gap vs fp32", "right"), ("efficiency", "right"),
-                         ("verdict", "left")):
-        # text columns wrap; numbers never do
-        table.add_column(col, justify=justify, overflow="fold", no_wrap=justify == "right")
+    cells = []
     for arm in report.arms:
         trained = bool(arm.values)
-        table.add_row(wrappable(arm.description), arm.kind,
+        cells.append([wrappable(arm.description), _ROLES.get(arm.kind, arm.kind),
                       f"{arm.fidelity_error:.3g}" if arm.fidelity_error is not None else "-",
                       f"{arm.values[-1]:.4g}" if trained else "-",
                       (f"{arm.gap:+.2%}" if arm.gap is not None else "diverged") if trained else "not run",
                       f"{arm.efficiency:.2f}x" if arm.efficiency is not None else "-",
-                      arm.status)
-    console.print(table)
+                      "" if arm.kind in _ROLES else arm.status])
+    console.print(fitted_table(f"Accuracy trial: {report.steps} steps from the current weights, {report.metric} on "
+                               f"{where} (noise: fp32 in another batch order)",
+                               ("plan", "role", "fidelity error", f"final {report.metric}", "gap vs fp32",
+                                "efficiency", "verdict"), cells, "plan", console.width))
     power = ("powered" if report.powered else "NOT powered: no compressed plan can be proven")
     console.print(f"How sure: the trial could detect a gap of {report.detectable:.2%} (80% power, 5%) against a "
                   f"tolerance of {report.tolerance:.2%}: {power}. Noise from two fp32 batch orders (standard error "

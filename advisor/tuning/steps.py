@@ -219,8 +219,17 @@ def decide_time_to_accuracy(measured: Sequence[LiveMeasurement], judge: Callable
     if rejected:
         decision.reason = decision.reason.replace("no compressed candidate was measured",
                                                   "no measured compressed candidate was proven for accuracy")
-        decision.reason += "; not installed for accuracy: " + "; ".join(rejected)
+        decision.reason += "; not installed for accuracy: " + "; ".join(_grouped(rejected))
     return decision, checked, rejected
+
+
+def _grouped(reasons: Sequence[str]) -> list[str]:
+    """Reasons of the form "plan: why", with the plans that share a "why" named once together."""
+    by_why: dict[str, list[str]] = {}
+    for reason in reasons:
+        plan, _, why = reason.partition(": ")
+        by_why.setdefault(why, []).append(plan)
+    return [f"{' and '.join(plans)}: {why}" if why else plans[0] for why, plans in by_why.items()]
 
 
 def time_to_accuracy(decision: Decision, arm) -> evidence.Estimate | None:
