@@ -1,32 +1,35 @@
-"""The CUDA / NCCL paths in one prepared run: one line per check, ``PASS``, ``FAIL`` or ``SKIP``.
+"""The CUDA / NCCL paths in one prepared run: one line per check, ``PASS``, ``FAIL``, ``SKIP`` or ``INFO``.
 
-Run on a machine with a GPU (``bash benchmarks/device_check.sh``, or)::
+Run through ``benchmarks/device_check.sh``, with the machine's own ``python3`` and torch (on
+the lent GPU machine), or ``--dry-run`` here on CPU, where only the packages that machine has
+may be imported; the checks that need a GPU then say SKIP with the reason.  The checks:
 
-    .venv/bin/python benchmarks/device_check.py --device cuda [--models mlp,small_cnn,tiny_lm]
-
-and on CPU (``--device cpu``) as a dry run of the same script: the checks that need a GPU
-(SyncBatchNorm, NCCL) then say SKIP with the reason.  The checks:
-
-1. the device (name, memory, torch, CUDA and NCCL versions);
-2. the option matrix's device-relevant cases with 2 ranks sharing the device over gloo
+1. the device (name, memory, torch, CUDA and NCCL versions) and which of the newer torch
+   APIs the advisor can use are there (per-bucket DDP caps);
+2. every module of the advisor imports (a package missing there fails here, named);
+3. the option matrix's device-relevant cases with 2 ranks sharing the device over gloo
    (plan ``none`` bitwise DDP, a plan mixing every compressor family leaves every rank with
    the same weights and a loss near DDP's): fp32, static_graph, find_unused_parameters,
    bf16 and fp16 weights, bf16 autocast, fp16 autocast with a GradScaler that overflows at
    first, SyncBatchNorm, no_sync, torch.compile of the DDP model (inductor);
-3. world size 1 on NCCL: plan ``none`` bitwise DDP and a mixed plan that trains;
-4. every compressor's encode + decode on the device against a device memory copy of the
+4. world size 1 on NCCL: plan ``none`` bitwise DDP and a mixed plan that trains;
+5. every compressor's encode + decode on the device against a device memory copy of the
    same 16M-element bucket;
-5. ``autotune`` of the bundled models, 2 ranks sharing the device (advice, measured speed-up,
-   seconds).
+6. ``autotune`` of a bundled model, 2 ranks sharing the device (advice, speed-ups, seconds).
 
+Each check runs only while the whole run stays within ``--budget-s`` (it says SKIP where
+too little time is left).  Every line also goes to ``device_check.json`` in ``--out``.
 Exit status 1 if any check failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import inspect
 import json
 import math
+import pkgutil
 import sys
 import time
 import traceback
@@ -34,12 +37,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the option matrix lives with the tests
 
+import advisor  # noqa: E402
 from advisor.compressors import SegmentLayout, parse  # noqa: E402
 from advisor.runtime.timing import measure, time_call  # noqa: E402
 from advisor.testbed.launch import free_port, launch_local  # noqa: E402
+from advisor.testbed.workloads import build_workload, shard  # noqa: E402
 
 COMPRESSORS = ["fp16", "bf16", "powersgd(rank=1)", "powersgd(rank=4)", "topk(ratio=0.01)", "randomk(ratio=0.01)",
                "qsgd(bits=8)", "qsgd(bits=4)", "intquant(bits=8)", "intquant(bits=8, packed=0)", "signsgd"]
@@ -64,9 +70,43 @@ def matrix_cases(device: str) -> dict:
     return {name: {**case, "device": device} for name, case in cases.items()}
 
 
+#: every line printed, for the JSON written at the end
+LINES: list[dict] = []
+
+
 def line(status: str, name: str, detail: str) -> bool:
     print(f"{status:4}  {name}: {detail}", flush=True)
+    LINES.append({"status": status, "check": name, "detail": detail})
     return status != "FAIL"
+
+
+def check_imports() -> bool:
+    """Import every module of the advisor: a package the machine lacks fails here, named."""
+    failed = []
+    count = 0
+    for package in ("advisor", "profilers", "policies"):
+        root = importlib.import_module(package)
+        for info in pkgutil.walk_packages(root.__path__, prefix=f"{package}."):
+            count += 1
+            try:
+                importlib.import_module(info.name)
+            except ImportError as exc:
+                failed.append(f"{info.name}: {exc}")
+    if failed:
+        return line("FAIL", "imports", "; ".join(failed)[:600])
+    return line("PASS", "imports", f"{count} modules of advisor, profilers and policies")
+
+
+def check_torch_features() -> bool:
+    """Which of the newer torch APIs the advisor uses are there (each is guarded where it is used)."""
+    ddp_args = inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
+    features = {"per-bucket DDP caps (bucket_cap_mb_list)": "bucket_cap_mb_list" in ddp_args,
+                "torch.compiler.disable": hasattr(torch, "compiler") and hasattr(torch.compiler, "disable"),
+                "post-accumulate-grad hooks": hasattr(torch.Tensor, "register_post_accumulate_grad_hook")}
+    missing = [k for k, v in features.items() if not v]
+    required = [k for k in missing if "bucket_cap_mb_list" not in k]
+    detail = f"torch {torch.__version__}: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in features.items())
+    return line("FAIL" if required else "INFO", "torch APIs", detail)
 
 
 def check_device(device: str) -> bool:
@@ -150,20 +190,21 @@ def check_compressors(device: str, repeats: int) -> bool:
 
 
 def _autotune_on_device(rank: int, world: int, spec: str, device: str) -> dict:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import advisor
-    from advisor.testbed.workloads import build_workload
-
     workload = build_workload(spec if ":" in spec else f"advisor.workloads:{spec}")
     model = workload.model.to(device)
-    batches = [_to(b, device) for b in workload.batches]
-    ddp = DDP(model)
+    batches = [_to(b, device) for b in shard(workload.batches, rank, world)]
+    held_out = [_to(b, device) for b in workload.held_out] if workload.held_out else None
+    ddp = DistributedDataParallel(model)
     t0 = time.perf_counter()
-    result = advisor.autotune(ddp, workload.loss_fn, batches, workload.optimizer(model), trial_s=20.0)
+    result = advisor.autotune(ddp, workload.loss_fn, batches, workload.optimizer(model), held_out=held_out,
+                              trial_s=30.0, max_rounds=4)
     if result.hook is not None:
         result.hook.close()
-    return {"advice": result.recommendation, "speedup": result.speedup, "seconds": time.perf_counter() - t0}
+    trial = result.accuracy
+    evidence = (f"trial {trial.steps} steps, could detect {trial.detectable:.2%}"
+                + (" (powered)" if trial.powered else " (not powered)") if trial is not None else "no trial")
+    return {"advice": result.recommendation, "speedup": result.speedup, "evidence": evidence,
+            "seconds": time.perf_counter() - t0}
 
 
 def _to(batch, device):
@@ -181,38 +222,62 @@ def check_autotune(device: str, models: list[str]) -> bool:
             speed = (f"vs fp32 {sp.get('measured_vs_fp32', math.nan):.2f}x measured "
                      f"({sp.get('predicted_vs_fp32', math.nan):.2f}x predicted), vs 16-bit "
                      f"{sp.get('measured_vs_16bit', math.nan):.2f}x ({sp.get('predicted_vs_16bit', math.nan):.2f}x)")
-            ok &= line("PASS", f"autotune {spec}", f"advice {r['advice']}; {speed}; {r['seconds']:.0f} s")
+            ok &= line("PASS", f"autotune {spec}", f"advice {r['advice']}; {speed}; {r['evidence']}; "
+                       f"{r['seconds']:.0f} s")
         except Exception as exc:
             last = [ln for ln in str(exc).splitlines() if ln.strip()][-2:]
             ok &= line("FAIL", f"autotune {spec}", f"{type(exc).__name__}: {' | '.join(last)[:400]}")
     return ok
 
 
+CHECKS = ("device", "imports", "matrix", "nccl", "compressors", "autotune")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--models", default="mlp,small_cnn,tiny_lm", help="bundled workloads to autotune")
+    parser.add_argument("--models", default="text_lm", help="bundled workloads to autotune")
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--only", default="device,matrix,nccl,compressors,autotune",
-                        help="comma-separated subset of the checks")
+    parser.add_argument("--only", default=",".join(CHECKS), help="comma-separated subset of the checks")
+    parser.add_argument("--budget-s", type=float, default=330.0,
+                        help="the whole run's wall-time budget; checks that would start past it are skipped")
+    parser.add_argument("--out", default=None, help="a folder for device_check.json")
     args = parser.parse_args(argv)
+    t0 = time.perf_counter()
     only = set(args.only.split(","))
     ok = check_device(args.device)
-    if not ok:
-        return 1
-    steps = {
-        "matrix": lambda: check_matrix(args.device),
-        "nccl": lambda: check_nccl(args.device),
-        "compressors": lambda: check_compressors(args.device, args.repeats),
-        "autotune": lambda: check_autotune(args.device, [m for m in args.models.split(",") if m]),
-    }
-    for name, step in steps.items():
-        if name in only:
+    if ok:
+        ok &= check_torch_features()
+        steps = {
+            "imports": check_imports,
+            "matrix": lambda: check_matrix(args.device),
+            "nccl": lambda: check_nccl(args.device),
+            "compressors": lambda: check_compressors(args.device, args.repeats),
+            "autotune": lambda: check_autotune(args.device, [m for m in args.models.split(",") if m]),
+        }
+        #: the least time each check is given to run, to skip rather than be cut off
+        needs = {"imports": 5, "matrix": 60, "nccl": 10, "compressors": 10, "autotune": 60}
+        for name, step in steps.items():
+            if name not in only:
+                continue
+            left = args.budget_s - (time.perf_counter() - t0)
+            if left < needs[name]:
+                line("SKIP", name, f"{left:.0f} s of the {args.budget_s:g} s budget left, it needs {needs[name]} s")
+                continue
+            started = time.perf_counter()
             try:
                 ok &= step()
             except Exception:
                 ok &= line("FAIL", name, traceback.format_exc(limit=3).replace("\n", " | ")[-500:])
-    print("ALL PASSED" if ok else "SOME CHECKS FAILED", flush=True)
+            line("INFO", f"{name} took", f"{time.perf_counter() - started:.0f} s")
+    seconds = time.perf_counter() - t0
+    print("ALL PASSED" if ok else "SOME CHECKS FAILED", f"in {seconds:.0f} s", flush=True)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "device_check.json").write_text(json.dumps(
+            {"passed": bool(ok), "seconds": seconds, "device": args.device, "torch": torch.__version__,
+             "lines": LINES}, indent=1))
     return 0 if ok else 1
 
 
