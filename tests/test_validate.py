@@ -53,3 +53,16 @@ def test_bad_input_is_refused_before_training():
         validate_workload(DIGITS, Plan.uniform("fp16"), sixteen="fp8")
     with pytest.raises(ValueError, match="does not import"):
         validate_workload("nosuch.module:f", Plan.uniform("fp16"))
+
+
+@pytest.mark.slow
+def test_autotune_inside_validate_takes_a_loader_and_repeats_the_same_call():
+    report = validate_workload(DIGITS, None, steps=20, eval_every=10,
+                               autotune_kwargs={"data": "loader", "repeats": 2, "trials": 100, "top": 1,
+                                                "rounds": 2, "max_rounds": 2, "trial_s": 10.0})
+    assert report.autotune is not None and len(report.repeats) == 1
+    for result in [report.autotune, *report.repeats]:
+        assert result["kind"] == "compression-advisor/autotune-result" and result["evidence"]
+    assert report.plan == report.autotune["plan"], "the first call's advice is the plan validated"
+    again = type(report).from_json(report.to_json())
+    assert again.repeats == report.repeats

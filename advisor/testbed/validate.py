@@ -22,10 +22,11 @@ import math
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
 
 from advisor.core.collectives import slowest
 from advisor.core.documents import VersionedDocument, check_int
@@ -98,6 +99,8 @@ class ValidationReport(VersionedDocument):
     advice: str = ""
     #: the autotune result the plan came from (None for a given plan)
     autotune: dict[str, Any] | None = None
+    #: the same autotune call repeated from the same start, after the first (``repeats=N``)
+    repeats: list[dict[str, Any]] = field(default_factory=list)
     kind: str = VALIDATION_KIND
     version: int = 2
 
@@ -192,17 +195,21 @@ def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, ste
     initial = copy.deepcopy(workload.model.state_dict())
     batches = list(workload.batches)
     mine = batches[rank::world] if len(batches) >= world else batches
-    advice, tuned_result = "", None
+    advice, tuned_result, repeats = "", None, []
     if plan_dict is None:
-
-        tuned = copy.deepcopy(workload.model)
-        ddp = DistributedDataParallel(tuned)
-        result = autotune(ddp, workload.loss_fn, mine, workload.optimizer(tuned), evaluate=evaluate,
-                          metric=workload.metric, install_plan=False, where=where, **autotune_kwargs)
-        plan_dict = result.plan
-        advice = f"autotune's advice: {result.reason}"
-        tuned_result = result.to_dict() if rank == 0 else None
-        del ddp, tuned
+        autotune_kwargs = dict(autotune_kwargs)
+        data, times = autotune_kwargs.pop("data", None), autotune_kwargs.pop("repeats", 1)
+        for _ in range(times):  # the same call from the same start: does the advice hold?
+            tuned = copy.deepcopy(workload.model)
+            ddp = DistributedDataParallel(tuned)
+            result = autotune(ddp, workload.loss_fn, tuning_data(mine, data), workload.optimizer(tuned),
+                              evaluate=evaluate, metric=workload.metric, install_plan=False, where=where,
+                              **autotune_kwargs)
+            repeats.append(result.to_dict() if rank == 0 else None)
+            del ddp, tuned
+        plan_dict = repeats[0]["plan"] if rank == 0 else result.plan
+        advice = f"autotune's advice: {result.reason}" if times == 1 else ""
+        tuned_result = repeats[0]
     plan = Plan.from_dict(plan_dict)
     description = plan.metadata.get("description") or _describe(plan)
     native = plan.metadata.get("native") or _describe(plan) == "none everywhere"
@@ -229,7 +236,19 @@ def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, ste
         arms.append(_train_arm(workload, initial, plan, mine, steps, eval_every, evaluate, workload.metric,
                                "plan", PLAN, f"the plan: {description}", **until))
     return {"arms": arms, "plan": plan.to_dict(), "description": description, "advice": advice,
-            "metric": workload.metric, "target": workload.target, "where": where, "autotune": tuned_result}
+            "metric": workload.metric, "target": workload.target, "where": where, "autotune": tuned_result,
+            "repeats": repeats[1:]}
+
+
+def tuning_data(batches: list, data) -> Any:
+    """The batches autotune sees, as a user would hand them over: ``None`` the rank's whole shard
+    (a list), an integer the first that many (a short list), ``"loader"`` a DataLoader over it."""
+    if data is None:
+        return batches
+    if data == "loader":
+        return DataLoader(batches, batch_size=None, shuffle=False)
+    check_int("data", data)
+    return batches[:data]
 
 
 def _describe(plan: Plan) -> str:
@@ -255,6 +274,10 @@ def validate_workload(spec: str, plan=None, *, nproc: int = 2, rate: str | None 
             fp32 arm's final value).
         extra_steps: the 16-bit and plan arms train on, up to this many times ``steps``,
             until they reach the target (their metrics are still compared at ``steps``).
+        autotune_kwargs: arguments of :func:`advisor.autotune` where no plan is given, and
+            two of the job's own: ``data``, the batches autotune sees (see :func:`tuning_data`),
+            and ``repeats``, how many times the same call runs from the same start (the first
+            one's plan is validated; the others are in ``report.repeats``).
 
     Returns:
         A :class:`ValidationReport`: each arm's curve, its time to the target and its
@@ -309,6 +332,7 @@ def validate_workload(spec: str, plan=None, *, nproc: int = 2, rate: str | None 
     return ValidationReport(
         model=spec, where=out["where"], world_size=nproc, steps=steps, metric=metric, higher_is_better=higher,
         target=goal, target_source=source, plan=out["plan"], description=out["description"], arms=arms,
-        time_to_target_s=tta, speedup=speedup, advice=out["advice"], autotune=out.get("autotune"))
+        time_to_target_s=tta, speedup=speedup, advice=out["advice"], autotune=out.get("autotune"),
+        repeats=out.get("repeats", []))
 
 
