@@ -126,6 +126,13 @@ def paired_speedup(baseline_rounds: Sequence[float], plan_rounds: Sequence[float
     return Estimate(math.exp(statistics.fmean(logs)), statistics.stdev(logs) / math.sqrt(len(logs)), len(logs) - 1)
 
 
+def time_to_accuracy(step_speedup: Estimate, efficiency: Estimate) -> Estimate:
+    """How many times sooner a plan reaches the same accuracy: its step speed-up times its step
+    efficiency, the efficiency capped at 1 (a compressed gradient is not taken to learn faster
+    than the exact one: an efficiency above 1 is luck in the trial)."""
+    return step_speedup.times(Estimate(min(efficiency.value, 1.0), efficiency.se_log, efficiency.dof))
+
+
 def independent_speedup(baseline_s: float, baseline_se: float, plan_s: float, plan_se: float) -> Estimate:
     """The baseline's step time over the plan's from two medians measured apart, each with
     its relative standard error (the online race times one plan after another)."""

@@ -15,7 +15,7 @@ from advisor.runtime.plan import Plan
 from advisor.tuning.accuracy import AccuracyTrialReport
 from policies.baselines import SIXTEEN_BIT
 from policies.do_no_harm import FP32, LiveMeasurement, step_speedup
-from policies.evidence import Estimate
+from policies.evidence import Estimate, time_to_accuracy
 from policies.learned import Measurement
 
 RESULT_KIND = "compression-advisor/autotune-result"
@@ -73,7 +73,7 @@ def plan_evidence(measured: Sequence[LiveMeasurement], decision, verdicts: Mappi
         row = PlanEvidence(m.label, m.kind, step.value, step.lower(), step.upper(),
                            status=arm.status if arm is not None else "")
         if efficiency is not None:
-            tta = step.times(Estimate(min(efficiency.value, 1.0), efficiency.se_log))
+            tta = time_to_accuracy(step, efficiency)
             row.efficiency, row.efficiency_low, row.efficiency_high = (efficiency.value, efficiency.lower(),
                                                                        efficiency.upper())
             row.time_to_accuracy, row.tta_low, row.tta_high = tta.value, tta.lower(), tta.upper()

@@ -236,10 +236,7 @@ def time_to_accuracy(decision: Decision, arm) -> evidence.Estimate | None:
     """The time-to-accuracy speed-up of a candidate over the best baseline: step speed-up x
     step efficiency (capped at 1), each with its error; None where the efficiency is unknown."""
     efficiency = arm.efficiency_estimate()
-    if efficiency is None:
-        return None
-    capped = evidence.Estimate(min(efficiency.value, 1.0), efficiency.se_log)
-    return decision.step_speedup().times(capped)
+    return evidence.time_to_accuracy(decision.step_speedup(), efficiency) if efficiency is not None else None
 
 
 def unprovable(why: str) -> Callable[[Decision], Any]:
