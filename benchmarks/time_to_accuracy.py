@@ -37,7 +37,7 @@ import time
 import torch
 import torch.nn as nn
 
-from advisor import workloads
+from advisor.testbed import workloads
 from advisor.runtime import Plan
 from advisor.testbed.emulated import unavailable_reason
 from advisor.testbed.validate import validate_workload
