@@ -37,8 +37,8 @@ import time
 import torch
 import torch.nn as nn
 
-from advisor.testbed import workloads
 from advisor.runtime import Plan
+from advisor.testbed import workloads
 from advisor.testbed.emulated import unavailable_reason
 from advisor.testbed.validate import validate_workload
 from advisor.testbed.workloads import TEXT_CONTEXT, Workload, _next_token_loss, _TextLM, _windows, stdlib_text_corpus
