@@ -199,16 +199,16 @@ def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, ste
     if plan_dict is None:
         autotune_kwargs = dict(autotune_kwargs)
         data, times = autotune_kwargs.pop("data", None), autotune_kwargs.pop("repeats", 1)
-        for _ in range(times):  # the same call from the same start: does the advice hold?
+        for i in range(times):  # the same call from the same start: does the advice hold?
             tuned = copy.deepcopy(workload.model)
             ddp = DistributedDataParallel(tuned)
             result = autotune(ddp, workload.loss_fn, tuning_data(mine, data), workload.optimizer(tuned),
                               evaluate=evaluate, metric=workload.metric, install_plan=False, where=where,
                               **autotune_kwargs)
             repeats.append(result.to_dict() if rank == 0 else None)
+            if i == 0:  # every rank validates the first call's plan (the calls may disagree)
+                plan_dict, advice = result.plan, f"autotune's advice: {result.reason}"
             del ddp, tuned
-        plan_dict = repeats[0]["plan"] if rank == 0 else result.plan
-        advice = f"autotune's advice: {result.reason}" if times == 1 else ""
         tuned_result = repeats[0]
     plan = Plan.from_dict(plan_dict)
     description = plan.metadata.get("description") or _describe(plan)
