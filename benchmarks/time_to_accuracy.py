@@ -119,7 +119,7 @@ def _evidence(result: dict) -> str:
     """The chosen plan's time-to-accuracy evidence in a few words."""
     row = next((e for e in result["evidence"] if e["label"] == result["recommendation"]), None)
     trial = result.get("accuracy")
-    power = (f"trial {trial['steps']} steps, detects {trial['detectable']:.2%}" + (" (powered)" if trial["powered"]
+    power = (f"trial {trial['checkpoints'][-1]} steps, detects {trial['detectable']:.2%}" + (" (powered)" if trial["powered"]
                                                                                    else "")) if trial else "no trial"
     tta = (f"{row['time_to_accuracy']:.2f}x ({row['tta_low']:.2f}-{row['tta_high']:.2f})"
            if row and row["time_to_accuracy"] is not None else "-")
