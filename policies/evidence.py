@@ -243,11 +243,13 @@ def step_efficiency(gap: float, gap_se: float, kappa: float, kappa_se: float) ->
 
 def gap_growth(steps: Sequence[int], values: Sequence[float], reference: Sequence[float],
                higher_is_better: bool) -> tuple[float, float]:
-    """``(slope, se)`` of the relative gap against ln(step), past the first quarter of the trial.
+    """``(slope, se)`` of the relative gap against ln(step), over the late window.
 
     A harmless plan's gap wanders around zero; a harmful one's grows as training goes on.
+    Every arm starts from the same weights, so every gap rises from zero while the arms
+    part early on; only the late window says whether it is still growing.
     """
-    idx = [i for i, s in enumerate(steps) if s > 0 and s >= steps[-1] / 4]
+    idx = [i for i in late_window(steps) if steps[i] > 0]
     if len(idx) < 3 or not all(math.isfinite(values[i]) for i in idx):
         return 0.0, math.inf
     gaps = signed_relative([values[i] for i in idx], [reference[i] for i in idx], higher_is_better)
