@@ -92,8 +92,6 @@ class Decision:
     gain_vs_best_baseline: float
     reason: str
     ranking: list[str] = field(default_factory=list)
-    speedup_low: float = 1.0
-    speedup_high: float = 1.0
     #: the step speed-up's estimate (for the time to accuracy; not part of a document)
     step: Estimate | None = None
     #: the time-to-accuracy speed-up over the best baseline, once the accuracy trial proved the plan
@@ -101,6 +99,16 @@ class Decision:
 
     def step_speedup(self) -> Estimate:
         return self.step if self.step is not None else Estimate(self.gain_vs_best_baseline, 0.0)
+
+    @property
+    def speedup_low(self) -> float:
+        """The 95% lower bound of the chosen plan's step speed-up (1 where the baseline is chosen)."""
+        return self.step_speedup().lower() if self.compress else 1.0
+
+    @property
+    def speedup_high(self) -> float:
+        """The 95% upper bound of the chosen plan's step speed-up (1 where the baseline is chosen)."""
+        return self.step_speedup().upper() if self.compress else 1.0
 
 
 def decide(measurements: list[LiveMeasurement], min_gain: float = 0.0) -> Decision:
@@ -133,7 +141,7 @@ def decide(measurements: list[LiveMeasurement], min_gain: float = 0.0) -> Decisi
                   f"baseline ({base.label}): {gain.value:.2f}x per step, at least {low:.2f}x (95% bound, noise "
                   f"±{gain.noise:.1%})")
         return Decision(best.label, best.kind, True, base.label, best.label, gain.noise, gain.value, reason, ranking,
-                        low, high, gain)
+                        gain)
     reason = (f"the best compressed plan ({name}, {best.median_s * 1e3:.1f} ms/step, {gain.value:.2f}x per step, "
               f"{low:.2f}-{high:.2f}x) is not shown faster than {base.label} ({base.median_s * 1e3:.1f} ms/step) "
               f"beyond the measured noise (±{gain.noise:.1%})" + (f" and min_gain={min_gain:.0%}" if min_gain else "")

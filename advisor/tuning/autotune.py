@@ -218,8 +218,7 @@ def autotune(
                                 dict(evaluate=evaluate, held_out=held_out, metric=metric, tolerance=tolerance,
                                      **trial_budget(expected_steps, trial_share, trial_s),
                                      group=group, progress=say, **dict(trial_options or {})), say)
-    budget_source = _set_budget(problem, trial, chosen_policy, sixteen, earn, optimizer, reference, budget,
-                                metric, group)
+    budget_source = _set_budget(problem, trial, chosen_policy, sixteen, earn, optimizer, reference, budget, group)
     t_trialled = time.perf_counter()
 
     # 2. search (rank 0)
@@ -303,7 +302,7 @@ def _accuracy_trial(ddp_model, loss_fn, batches, optimizer, problem, earn: bool,
 
 
 def _set_budget(problem, trial: LazyTrial | None, policy: Policy, sixteen: str | None, earn: bool, optimizer,
-                reference: str | None, budget: float | None, metric: str, group) -> str:
+                reference: str | None, budget: float | None, group) -> str:
     """Set ``problem.budget`` where it is to be earned; return where the budget came from."""
     if earn and trial is None:
         return (f"assumed: the error of {DEFAULT_REFERENCE} everywhere (no accuracy trial: "

@@ -63,6 +63,7 @@ class BatchStream:
         #: training batches in one pass over the input, once known (None: not ended yet)
         self._epoch: int | None = len(self._drawn) if self._listed else None
         self._ended = self._listed  # no more batches will come
+        self._whole_order: list[int] | None = None  # the noise arm's order once the input has ended
 
     def describe(self) -> str:
         return f"{self.name} ({self.source})"
@@ -118,10 +119,10 @@ class BatchStream:
         if not self._ended:
             self._draw((block + 1) * ORDER_BLOCK)
         if self._ended:
-            n = len(self._drawn)
-            order = list(range(n))
-            random.Random(seed).shuffle(order)
-            return self._drawn[order[i % n]]
+            if self._whole_order is None or len(self._whole_order) != len(self._drawn):
+                self._whole_order = list(range(len(self._drawn)))
+                random.Random(seed).shuffle(self._whole_order)
+            return self._drawn[self._whole_order[i % len(self._whole_order)]]
         order = list(range(ORDER_BLOCK))
         random.Random(seed * 1_000_003 + block).shuffle(order)
         return self._drawn[block * ORDER_BLOCK + order[i % ORDER_BLOCK]]
@@ -191,18 +192,18 @@ class BatchStream:
 _END = object()
 
 
-def draw_on_every_rank(stream: BatchStream, count: int, group=None) -> int:
+def draw_on_every_rank(stream: BatchStream, count: int, group=None) -> None:
     """Draw ``count`` training batches on every rank; a failure on any rank raises on all.
 
-    Returns the number of distinct training batches this rank holds.  One all-reduce
-    carries every rank's failure flag; only when one is set are the messages gathered.
+    One all-reduce carries every rank's failure flag; only when one is set are the
+    messages gathered.
     """
     problem = None
     try:
         stream.draw(count)
     except BatchSourceError as exc:
         problem = str(exc)
-    return _agree(stream, problem, group)
+    _agree(problem, group)
 
 
 def set_aside_on_every_rank(stream: BatchStream, count: int | None = None, group=None) -> list[Any]:
@@ -212,15 +213,14 @@ def set_aside_on_every_rank(stream: BatchStream, count: int | None = None, group
         held = stream.held_out(count)
     except BatchSourceError as exc:
         problem = str(exc)
-    _agree(stream, problem, group)
+    _agree(problem, group)
     return held
 
 
-def _agree(stream: BatchStream, problem: str | None, group) -> int:
+def _agree(problem: str | None, group) -> None:
     failed = slowest([1.0 if problem is not None else 0.0], group)[0] > 0
     if failed:
         messages = every_rank(problem, group)
         detail = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
         raise BatchSourceError(f"drawing training batches failed ({detail}); nothing of the model or optimizer "
                                "changed")
-    return len(stream._drawn)

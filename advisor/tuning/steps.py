@@ -242,12 +242,17 @@ def time_to_accuracy(decision: Decision, arm) -> evidence.Estimate | None:
 def unprovable(why: str) -> Callable[[Decision], Any]:
     """A judge for when no accuracy trial can run: casts stand, compressed plans are not proven."""
     def judge(decision: Decision):
-        kind = gate.SIXTEEN_BIT if decision.kind == SIXTEEN_BIT else gate.CANDIDATE
+        kind = _trial_kind(decision.kind)
         status = gate.ACCEPTED if kind == gate.SIXTEEN_BIT else gate.NOT_PROVEN
         return ArmResult(decision.chosen, kind, decision.chosen, [], 0.0, status == gate.ACCEPTED,
                          f"{decision.chosen}: " + ("a 16-bit cast, not trialled" if status == gate.ACCEPTED
                                                    else f"not proven: {why}"), status=status)
     return judge
+
+
+def _trial_kind(kind: str) -> str:
+    """The accuracy trial's kind of arm for a raced plan's kind: a 16-bit cast is judged as one."""
+    return gate.SIXTEEN_BIT if kind == SIXTEEN_BIT else gate.CANDIDATE
 
 
 def fidelity_error(problem: TuningProblem, choices) -> float:
@@ -283,8 +288,7 @@ class LazyTrial:
 
     def judge_arm(self, arm: Arm):
         """The verdict on a raced arm (a 16-bit cast is judged as one)."""
-        kind = gate.SIXTEEN_BIT if arm.kind == SIXTEEN_BIT else gate.CANDIDATE
-        return self.judge(arm.label, arm.plan, arm.choices, kind, arm.description)
+        return self.judge(arm.label, arm.plan, arm.choices, _trial_kind(arm.kind), arm.description)
 
     def verdicts(self) -> dict[str, Any]:
         """Every plan judged so far, by its arm label."""
