@@ -51,6 +51,7 @@ test: $(STAMP) $(WHEELS)
 bench: $(STAMP)
 	$(PYTHON) benchmarks/compressors.py
 	$(PYTHON) benchmarks/hook_overhead.py
+	$(PYTHON) benchmarks/fidelity_monitor.py
 	$(PYTHON) benchmarks/kernel_model.py
 	$(PYTHON) benchmarks/kernel_choices.py
 	$(PYTHON) benchmarks/perfmodel_speed.py

@@ -15,15 +15,25 @@ checked by the import contract in ``pyproject.toml``):
 """
 
 from advisor.compressors import CompressorConfig, available, build, parse
-from advisor.runtime import CompressionHook, Plan, PlanGroup, install
+from advisor.runtime import CompressionHook, FidelityMonitor, FidelityReading, Plan, PlanGroup, install
 from advisor.testbed.jobs import autotune_model
+from advisor.testbed.validate import ValidationReport
+from advisor.testbed.workloads import Workload
 from advisor.tuning.autotune import autotune
-from advisor.tuning.online import OnlineTuner, wrap
+from advisor.tuning.online import OnlineTuner, TunerEvent, wrap
+from advisor.tuning.results import AutotuneResult, TunedResult
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutotuneResult",
     "CompressionHook",
+    "FidelityMonitor",
+    "FidelityReading",
+    "TunedResult",
+    "TunerEvent",
+    "ValidationReport",
+    "Workload",
     "CompressorConfig",
     "Plan",
     "PlanGroup",

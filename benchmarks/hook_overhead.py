@@ -24,8 +24,8 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from advisor import workloads
 from advisor.runtime import Plan, install
+from advisor.testbed import workloads
 from advisor.testbed.launch import launch_local
 
 #: the options that change the hook's path, each measured plain and hooked: (DDP kwargs, weight dtype)

@@ -31,7 +31,8 @@ def tune_and_train(rank: int, world_size: int, kwargs: dict):
     result = advisor.autotune(ddp, workload.loss_fn, workload.batches, opt, **{**FAST, **kwargs})
     unchanged = all(torch.equal(before[k], v) for k, v in ddp.module.state_dict().items())
     momentum_empty = len(opt.state) == 0
-    # training goes on with whatever was installed
+    # training goes on with whatever was installed, watched (every 2 steps) where a plan was
+    watch = result.watch(ddp, opt, fidelity_window=2)
     losses = []
     for batch in list(workload.batches)[:4]:
         opt.zero_grad()
@@ -40,10 +41,14 @@ def tune_and_train(rank: int, world_size: int, kwargs: dict):
         opt.step()
         losses.append(float(loss.detach()))
     hook_steps = result.hook.step if result.hook is not None else None
+    watched = [e.what for e in watch.events] if watch is not None else None
+    if watch is not None:
+        watch.close()
     if result.hook is not None:
         result.hook.close()
     result.hook = None
-    return {"result": result, "unchanged": unchanged and momentum_empty, "losses": losses, "hook_steps": hook_steps}
+    return {"result": result, "unchanged": unchanged and momentum_empty, "losses": losses, "hook_steps": hook_steps,
+            "watched": watched}
 
 
 def switch_plans(rank: int, world_size: int):
@@ -135,7 +140,8 @@ def bad_wrap_arguments(rank: int, world_size: int):
 
     ddp = DDP(medium_mlp().model)
     messages = []
-    for kwargs in ({"observe_steps": 1}, {"backoff": 0}, {"candidates": ["zstd"]}, {"trial_steps": 0}):
+    for kwargs in ({"observe_steps": 1}, {"backoff": 0}, {"candidates": ["zstd"]}, {"trial_steps": 0},
+                   {"fidelity_sample": -1}, {"fidelity_window": 1}, {"fidelity_drift": 1.0}):
         try:
             advisor.wrap(ddp, **kwargs)
         except ValueError as exc:
@@ -228,3 +234,113 @@ def bad_gate_arguments(rank: int, world_size: int):
             messages.append(str(exc))
     advisor.install(ddp, Plan.uniform("fp16")).close()  # still possible: nothing was registered
     return messages
+
+
+def converging_regression(rank: int, world_size: int, steps: int, runs: list[tuple[str, int, bool]]):
+    """A noiseless linear regression under AdamW whose gradients shrink by orders of magnitude as
+    it converges: fp16 flushes them once they fall below its range, late, and stalls there.
+
+    ``runs``: (plan label, fidelity_sample, installed) each trained from the same start on the
+    same batches, under ``wrap(plan=...)``, or where ``installed`` under ``advisor.install``
+    and then ``wrap(hook=...)`` (closed before the last 10 steps, which the hook runs alone);
+    returns each run's held-out loss curve and events.
+    """
+    from advisor.runtime import Plan
+
+    out = []
+    x_test = torch.randn(512, 64, generator=torch.Generator().manual_seed(99))
+    for label, sample, installed in runs:
+        torch.manual_seed(0)
+        teacher, student = nn.Linear(64, 16), nn.Linear(64, 16)
+        ddp = DDP(student)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.0)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+        settings = dict(candidates=["none", "fp16", "bf16"], backoff=None, watch_every=10**6,
+                        fidelity_sample=sample, fidelity_window=25)
+        if installed:
+            hook = advisor.install(ddp, Plan.uniform(label, warmup_steps=0))
+            tuner = advisor.wrap(ddp, opt, hook=hook, **settings)
+        else:
+            tuner = advisor.wrap(ddp, opt, plan=Plan.uniform(label, warmup_steps=0), **settings)
+        g = torch.Generator().manual_seed(1 + rank)
+        curve, digest, final, events, readings = [], None, None, None, None
+        for i in range(steps + 10 * installed):
+            if i == steps:
+                tuner.close()  # the installed hook goes on alone
+            x = torch.randn(64, 64, generator=g)
+            with torch.no_grad():
+                y = teacher(x)
+            opt.zero_grad()
+            (nn.functional.mse_loss(ddp(x), y) * 1e-2).backward()
+            opt.step()
+            schedule.step()
+            if (i + 1) % 50 == 0 and i < steps:
+                with torch.no_grad():
+                    curve.append(float(nn.functional.mse_loss(student(x_test), teacher(x_test))))
+            if i == steps - 1:
+                digest, final = tuner.plan.digest(), tuner.plan.config_for("weight").label
+                events = [(e.step, e.what, e.detail) for e in tuner.events]
+                readings = [(r.first_step, r.steps, r.error, r.step_error, r.zeroed) for r in tuner.fidelity]
+        out.append({"plan": label, "sample": sample, "installed": installed, "curve": curve, "digest": digest,
+                    "final": final, "events": events, "readings": readings,
+                    "hook_steps": hook.step if installed else None})
+        if not installed:
+            tuner.close()
+    return out
+
+
+def wrong_hooks(rank: int, world_size: int):
+    """wrap(hook=...) refuses what is not this model's CompressionHook, naming the fix."""
+    from advisor.runtime import Plan
+
+    ddp, other = DDP(nn.Linear(4, 2)), DDP(nn.Sequential(nn.Linear(4, 2)))
+    hook = advisor.install(other, Plan.uniform("fp16"))
+    messages = []
+    for kwargs in ({"hook": hook}, {"hook": "fp16"}, {"hook": hook, "plan": Plan.uniform("fp16")}):
+        try:
+            advisor.wrap(ddp, **kwargs)
+        except (TypeError, ValueError) as exc:
+            messages.append(f"{type(exc).__name__}: {exc}")
+    hook.close()
+    return messages
+
+
+def monitored_steps(rank: int, world_size: int, label: str, window: int):
+    """A FidelityMonitor on a hook, driven by hand through two windows, with a step under ``no_sync``
+    before each synchronised one; beside it, the first window's error computed by hand from
+    every rank's whole gradients (the exact mean) and the whole delivered gradients."""
+    import torch.distributed as dist
+
+    from advisor.runtime import FidelityMonitor, Plan
+
+    torch.manual_seed(0)
+    workload = medium_mlp()
+    ddp = DDP(workload.model)
+    hook = advisor.install(ddp, Plan.uniform(label, warmup_steps=0))
+    monitor = FidelityMonitor(hook, list(ddp.module.named_parameters()), sample=4096, window=window)
+    monitor.start()
+    batches = list(workload.batches)
+    params = list(ddp.module.parameters())
+    exact_sum = delivered_sum = 0
+    readings = []
+    for i in range(2 * window + 1):
+        reading = monitor.step_ends()  # what wrap calls at the start of each step
+        if reading is not None:
+            readings.append(vars(reading))
+        x, y = batches[(i + rank) % len(batches)]
+        with ddp.no_sync():  # not synchronised: the monitor must not count it
+            nn.functional.cross_entropy(ddp(x), y).backward()
+        ddp.zero_grad()
+        if i == 2 * window:
+            break
+        local = torch.autograd.grad(nn.functional.cross_entropy(ddp.module(x), y), params)
+        exact = torch.cat([g.reshape(-1) for g in local])
+        dist.all_reduce(exact)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        if i < window:
+            exact_sum = exact_sum + exact / world_size
+            delivered_sum = delivered_sum + torch.cat([p.grad.reshape(-1) for p in params])
+        ddp.zero_grad()
+    monitor.close()
+    hook.close()
+    return {"readings": readings, "whole_window_error": float((delivered_sum - exact_sum).norm() / exact_sum.norm())}

@@ -151,13 +151,13 @@ def _train(case: dict, plan: Plan | None, steps: int) -> dict:
 
 def wrap_matrix(rank: int, world: int, cases: dict, steps: int = 30) -> dict:
     """``advisor.wrap`` inside each case's own loop, twice: tuning (quick settings; it must decide)
-    and watching the mixed plan (gains and loss every 5 steps; backing off switches plans)."""
+    and watching the mixed plan (gains and loss every 5 steps, fidelity every 4; backing off switches plans)."""
     results = {}
     for name, case in cases.items():
         for mode, options, count in (
                 ("tune", {"candidates": ["none", "fp16", "powersgd(rank=2)", "topk(ratio=0.1)"], "observe_steps": 3,
                           "trial_steps": 2, "top": 1, "trials": 60, "budget": 10.0}, steps),
-                ("watch", {"plan": _mixed_plan(case), "trend_steps": 3, "watch_every": 5}, 16)):
+                ("watch", {"plan": _mixed_plan(case), "trend_steps": 3, "watch_every": 5, "fidelity_window": 4}, 16)):
             try:
                 ddp = DDP(_net(case), **case.get("ddp", {}))
                 opt = _optimizer(case, [p for p in ddp.parameters() if p.requires_grad])

@@ -68,6 +68,8 @@ def test_autotune_compresses_on_a_slow_link_and_installs_the_plan():
     assert r.accuracy is None and "accuracy_trial=False" in r.accuracy_unproven
     assert r.speedup["measured_vs_fp32"] > 1.5 and r.speedup["measured_vs_16bit"] > 1.0
     assert out[0]["hook_steps"] == 4  # installed on the user's model, ran the 4 training steps
+    watched = out[0]["watched"]  # result.watch: the installed plan, read after its first fidelity window
+    assert watched[0] == "watch" and "fidelity" in watched and "back-off" not in watched
     assert all(o["unchanged"] for o in out)
 
 
@@ -137,9 +139,11 @@ def test_wrap_names_each_bad_argument_and_registers_nothing():
     from autotune_programs import bad_wrap_arguments
 
     messages = launch_local(bad_wrap_arguments, 1, timeout=60)[0]
-    assert len(messages) == 4
+    assert len(messages) == 7
     assert "observe_steps=1" in messages[0] and "backoff=0" in messages[1]
     assert "unknown compressor 'zstd'" in messages[2] and "trial_steps=0" in messages[3]
+    assert "fidelity_sample=-1" in messages[4] and "fidelity_window=1" in messages[5]
+    assert "fidelity_drift=1.0" in messages[6] and "allowed: > 1" in messages[6]
 
 
 def test_advisor_autotune_stays_the_function_after_its_module_is_imported():

@@ -103,6 +103,7 @@ def test_wrap_tunes_inside_the_loop_and_watches_a_plan_under(wrapped, case):
             assert all(math.isfinite(v) for v in r["losses"]), r["losses"]
         assert event_kinds(runs[0]["events"]) == event_kinds(runs[1]["events"]) and runs[0]["plan"] == runs[1]["plan"]
     assert any(e.startswith("decided") for e in wrapped[0][f"{case}, tune"]["events"])
+    assert any(e.startswith("fidelity: reference") for e in wrapped[0][f"{case}, watch"]["events"])
 
 
 def test_wrap_refuses_uneven_inputs_under_join_on_every_rank_and_names_what_works():

@@ -108,6 +108,9 @@ class Job:
     future: torch.futures.Future
     result: torch.Tensor
     ends_iteration: bool
+    #: the future DDP waits on where it is not ``future`` itself (chained through the hook's
+    #: delivery callbacks)
+    for_ddp: torch.futures.Future | None = None
     first_messages: list[Message] = field(init=False)
     remaining: int = field(init=False)
 

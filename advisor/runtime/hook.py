@@ -62,6 +62,10 @@ class CompressionHook:
         #: exchanged (profilers and the online tuner watch gradients this way); they must
         #: copy what they keep
         self.observers: list = []
+        #: callables ``(layout, delivered_mean, config)`` shown each segment's result once its
+        #: bucket's exchange is done, before DDP sees it (the fidelity monitor compares it with
+        #: the exact mean); they must copy what they keep
+        self.deliveries: list = []
         channel = ProcessGroupChannel(traffic_group(group)) if self.world_size > 1 else LocalChannel()
         self.channel = channel
         self._executor = OrderedExecutor(channel, threaded=self.world_size > 1)
@@ -105,10 +109,11 @@ class CompressionHook:
             return self._sparse_job(bucket, buffer)
         fut: torch.futures.Future = torch.futures.Future()
         warming_up = self.step < self.plan.warmup_steps
-        exchanges = []
+        exchanges, delivered = [], []
         for layout, config, offset in self.segments(bucket):
             if warming_up:
                 config = _UNCOMPRESSED
+            delivered.append((layout, config, offset))
             compressor = self._compressor(config)
             ctx = ExchangeContext(
                 self.world_size,
@@ -128,7 +133,17 @@ class CompressionHook:
                     compressor, grad, layout, self._compressor_state, residuals, ctx, self._count_nonfinite
                 )
             )
-        return Job(exchanges, fut, buffer, ends_iteration=bucket.is_last())
+        job = Job(exchanges, fut, buffer, ends_iteration=bucket.is_last())
+        if self.deliveries:
+            # chained, not a done-callback: DDP must not go on before the deliveries were shown
+            job.for_ddp = fut.then(lambda done: self._show_deliveries(done.value(), delivered))
+        return job
+
+    def _show_deliveries(self, buffer: torch.Tensor, segments) -> torch.Tensor:
+        for layout, config, offset in segments:
+            for show in self.deliveries:
+                show(layout, buffer[offset : offset + layout.numel], config)
+        return buffer
 
     def _sparse_job(self, bucket, grad: torch.Tensor) -> Job:
         """A sparse gradient (``nn.Embedding(sparse=True)``) crosses uncompressed, as in PyTorch's
@@ -275,7 +290,7 @@ def compression_hook(state: CompressionHook, bucket):  # no annotations: DDP che
     if job.ends_iteration:
         state.step += 1
     state._executor.submit(job)
-    return job.future
+    return job.for_ddp if job.for_ddp is not None else job.future
 
 
 def _sparse_sum(grad: torch.Tensor):

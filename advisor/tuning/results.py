@@ -13,6 +13,7 @@ from advisor.core.speedups import speedup
 from advisor.report.results import render_result, save_measured_vs_predicted_png
 from advisor.runtime.plan import Plan
 from advisor.tuning.accuracy import AccuracyTrialReport
+from advisor.tuning.online.tuner import OnlineTuner
 from policies.baselines import SIXTEEN_BIT
 from policies.do_no_harm import FP32, LiveMeasurement, step_speedup
 from policies.evidence import Estimate, time_to_accuracy
@@ -167,6 +168,19 @@ class TunedResult(AutotuneResult):
         tuned = cls(**_field_values(result))
         tuned.hook = hook
         return tuned
+
+    def watch(self, ddp_model, optimizer=None, **settings):
+        """Keep checking the installed plan during training: an :class:`~advisor.tuning.online.OnlineTuner`
+        watching ``hook`` (fidelity, gain and loss watches; see :func:`advisor.wrap`), or None
+        where nothing was installed (native fp32 has nothing to check).
+
+        Call on every rank, before the next training step.  ``settings`` are ``wrap``'s watch
+        settings (``fidelity_sample``, ``fidelity_window``, ``fidelity_drift``, ``watch_every``,
+        ``backoff``, ``candidates``).
+        """
+        if self.hook is None:
+            return None
+        return OnlineTuner(ddp_model, optimizer, hook=self.hook, **settings)
 
     def document(self) -> AutotuneResult:
         """The result alone, as data."""

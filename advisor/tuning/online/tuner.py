@@ -26,12 +26,22 @@ the model's forward calls, which every rank makes at the same step:
    same paired trial as :func:`advisor.autotune`'s (:mod:`advisor.tuning.accuracy`): shadow copies
    from the current weights, with a clone of the optimizer, next to fp32 on those batches;
    a rejected plan leaves the race and the next one is judged, down to fp32.
-4. **watch** (GraVAC-style): every ``watch_every`` steps the compression gain
+4. **fidelity watch**: every step, the hook shows a random sample of the compressed
+   coordinates (``fidelity_sample``, the same on every rank) to a
+   :class:`~advisor.runtime.monitor.FidelityMonitor` before and after the exchange; each
+   window of ``fidelity_window`` steps ends with one all-reduce of the local values, which
+   gives the exact mean, and the window's error (summed over the window, so error feedback
+   counts; per coordinate under Adam-like optimizers) is compared with the plan's first
+   window.  Two windows in a row above ``fidelity_drift`` times that reference (and 5%)
+   back the drifted configs off one level: fp16 to bf16 (the same bytes, fp32's range),
+   others to the next config sending more bytes.  This is what catches a plan that passed
+   its trial at the start and hurts later, as fp16's range does once gradients shrink.
+5. **gain watch** (GraVAC-style): every ``watch_every`` steps the compression gain
    ``||C(g)|| / ||g||`` of each compressed segment is measured on that step's gradients,
    averaged over ranks and compared with the gain measured right after the decision; a
    segment whose gain fell below ``backoff`` times that reference moves to the next less
    compressing config (more bytes on the wire), down to fp16 and fp32.
-5. **loss watch**: where the loop reports its loss (``tuner.record_loss(loss)``, one line),
+6. **loss watch**: where the loop reports its loss (``tuner.record_loss(loss)``, one line),
    the losses of the uncompressed steps (observe, the baseline trials, or ``trend_steps``
    fp32 steps before a given plan) fit a trend ``a + b·ln(step)``; every ``watch_every``
    steps under compression, the window's mean loss (over ranks) is compared with the
@@ -41,7 +51,7 @@ the model's forward calls, which every rank makes at the same step:
 
 All decisions are made from all-reduced numbers and rank 0's choices are broadcast, so
 every rank changes plans at the same step.  ``wrap(..., plan=...)`` skips 1-3 and only
-watches the given plan.
+watches the given plan: the way to keep checking a plan chosen offline.
 """
 
 from __future__ import annotations
@@ -56,7 +66,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from advisor.core.documents import check_int
-from advisor.runtime import Plan, install
+from advisor.runtime import CompressionHook, Plan, install
+from advisor.runtime.monitor import DEFAULT_SAMPLE, DEFAULT_WINDOW, FidelityMonitor, FidelityReading
 from advisor.tuning.accuracy import AccuracyTrial, check_evaluate
 from advisor.tuning.online.observe import Observation
 from advisor.tuning.online.trial import Race
@@ -80,6 +91,7 @@ from policies import accuracy_gate as gate
 from policies.do_no_harm import FP32
 from policies.optuna_search import OptunaPolicy
 from policies.problem import TuningProblem
+from profilers.training_state import scales_per_coordinate
 
 log = logging.getLogger("advisor.tuning.online")
 
@@ -108,11 +120,13 @@ class OnlineTuner:
                  loss_z: float = 3.0, trend_steps: int = 0, loss_fn=None, batches: Iterable | None = None,
                  evaluate=None, held_out: Sequence | None = None, metric: str = "loss", trial_s: float | None = None,
                  expected_steps: int | None = None, trial_share: float = DEFAULT_TRIAL_SHARE,
-                 tolerance: float = gate.DEFAULT_TOLERANCE, trial_options: dict | None = None, group=None) -> None:
+                 tolerance: float = gate.DEFAULT_TOLERANCE, trial_options: dict | None = None,
+                 fidelity_sample: int = DEFAULT_SAMPLE, fidelity_window: int = DEFAULT_WINDOW,
+                 fidelity_drift: float = 3.0, hook: CompressionHook | None = None, group=None) -> None:
         max_trial_steps = max_trial_steps if max_trial_steps is not None else 2 * trial_steps
         _check_arguments(ddp, optimizer, observe_steps, trial_steps, top, trials, watch_every, backoff,
                          trial_precision, max_trial_steps, trend_steps, loss_z, loss_fn, batches, trial_s, evaluate,
-                         expected_steps, trial_share, tolerance)
+                         expected_steps, trial_share, tolerance, fidelity_sample, fidelity_window, fidelity_drift)
         self._gate_args = None if batches is None else dict(
             loss_fn=loss_fn, batches=batches, evaluate=evaluate, held_out=held_out, metric=metric,
             tolerance=tolerance, **trial_budget(expected_steps, trial_share, trial_s), **dict(trial_options or {}))
@@ -122,7 +136,9 @@ class OnlineTuner:
         self.ddp, self.optimizer, self.group = ddp, optimizer, group
         self.observe_steps, self.top, self.trials, self.budget = observe_steps, top, trials, budget
         self._race_settings = dict(min_steps=trial_steps, max_steps=max_trial_steps, precision=trial_precision)
-        self._watch_settings = dict(every=watch_every, backoff=backoff, loss_z=loss_z)
+        self._watch_settings = dict(every=watch_every, backoff=backoff, loss_z=loss_z, drift=fidelity_drift)
+        self._fidelity_settings = dict(sample=fidelity_sample, window=fidelity_window,
+                                       per_coordinate=scales_per_coordinate(optimizer))
         self.step = 0
         self.events: list[TunerEvent] = []
         #: (step, loss, under a lossy plan) of every loss the loop reported
@@ -130,10 +146,27 @@ class OnlineTuner:
         self._update = UpdateClock()
         self._problem: TuningProblem | None = None  # the search's problem, for the accuracy gate
 
+        #: whether close() stops the hook: not one the user installed and only lent to the watch
+        self._owns_hook = hook is None
+        if hook is not None:
+            _check_installed(ddp, hook, plan, trend_steps)
+            self.hook = hook
+            self._phase = self._watch(first_in=3)
+            self._note("watch", f"watching the installed plan {hook.plan.digest()} from hook step {hook.step}")
+        else:
+            self._start(plan, trend_steps)
+        self._handles = [ddp.register_forward_pre_hook(self._on_forward_start),
+                         ddp.register_forward_hook(self._on_forward_end)]
+        if optimizer is not None:
+            self._handles.append(optimizer.register_step_pre_hook(self._optimizer_start))
+            self._handles.append(optimizer.register_step_post_hook(self._optimizer_end))
+
+    def _start(self, plan: Plan | None, trend_steps: int) -> None:
+        """Install the hook: plan none to observe, or the given plan (after the trend's fp32 steps)."""
         first = plan if plan is not None and trend_steps == 0 else Plan.uniform("none", warmup_steps=0)
-        self.hook = install(ddp, first, group=group)
+        self.hook = install(self.ddp, first, group=self.group)
         if plan is None:
-            self._phase = Observation(ddp, self.hook)
+            self._phase = Observation(self.ddp, self.hook)
             self._phase.start()
         else:
             # the reference gain after DDP's bucket rebuild, and after the trend's fp32 steps
@@ -142,11 +175,6 @@ class OnlineTuner:
             self._note("watch", f"watching the given plan {plan.digest()}" + (
                 f" after {trend_steps} fp32 steps that set the loss trend" if trend_steps else
                 " (no fp32 steps before it: the loss watch has no trend; pass trend_steps=N)"))
-        self._handles = [ddp.register_forward_pre_hook(self._on_forward_start),
-                         ddp.register_forward_hook(self._on_forward_end)]
-        if optimizer is not None:
-            self._handles.append(optimizer.register_step_pre_hook(self._optimizer_start))
-            self._handles.append(optimizer.register_step_post_hook(self._optimizer_end))
 
     @property
     def phase(self) -> str:
@@ -156,6 +184,11 @@ class OnlineTuner:
     @property
     def plan(self) -> Plan:
         return self.hook.plan
+
+    @property
+    def fidelity(self) -> list[FidelityReading]:
+        """The fidelity monitor's windows since the watch began (empty before it, or with ``fidelity_sample=0``)."""
+        return list(self._phase.readings) if isinstance(self._phase, Watch) else []
 
     def record_loss(self, loss) -> None:
         """Report this step's training loss (a float or a scalar tensor); feeds the loss watch.
@@ -176,11 +209,15 @@ class OnlineTuner:
         self._update.mark()
 
     def close(self) -> None:
-        """Stop tuning and remove the hook's worker; the model must not train under it again."""
+        """Stop tuning and remove the hook's worker; the model must not train under it again.
+
+        A hook passed as ``hook=`` stays as it was (its plan, backed off or not, goes on).
+        """
         for h in self._handles:
             h.remove()
         self._phase.close()
-        self.hook.close()
+        if self._owns_hook:
+            self.hook.close()
 
     # --- what the loop does: optimizer steps and forwards -----------------------------------
     def _note(self, what: str, detail: str) -> None:
@@ -300,8 +337,12 @@ class OnlineTuner:
         return judge
 
     def _watch(self, **where) -> Watch:
+        monitor = None
+        if self._fidelity_settings["sample"]:
+            parameters = [(n, p) for n, p in self.ddp.module.named_parameters() if p.requires_grad]
+            monitor = FidelityMonitor(self.hook, parameters, group=self.group, **self._fidelity_settings)
         return Watch(self.ddp, self.hook, self.candidates, losses=self.losses, note=self._note, group=self.group,
-                     **self._watch_settings, **where)
+                     monitor=monitor, **self._watch_settings, **where)
 
 
 class UpdateClock:
@@ -337,7 +378,7 @@ class UpdateClock:
 
 def _check_arguments(ddp, optimizer, observe_steps, trial_steps, top, trials, watch_every, backoff, trial_precision,
                      max_trial_steps, trend_steps, loss_z, loss_fn, batches, trial_s, evaluate, expected_steps,
-                     trial_share, tolerance) -> None:
+                     trial_share, tolerance, fidelity_sample, fidelity_window, fidelity_drift) -> None:
     """Refuse a bad argument before anything is installed, naming it and the allowed values."""
     if not isinstance(ddp, DistributedDataParallel):
         raise TypeError(f"wrap needs a DistributedDataParallel model, got {type(ddp).__name__}")
@@ -364,6 +405,23 @@ def _check_arguments(ddp, optimizer, observe_steps, trial_steps, top, trials, wa
         raise ValueError(f"trial_s={trial_s!r}; allowed: > 0 seconds, or None")
     check_evaluate(evaluate)
     check_trial_budget(expected_steps, trial_share, tolerance)
+    check_int("fidelity_sample", fidelity_sample, 0)
+    check_int("fidelity_window", fidelity_window, 2)
+    if not (isinstance(fidelity_drift, (int, float)) and fidelity_drift > 1):
+        raise ValueError(f"fidelity_drift={fidelity_drift!r}; allowed: > 1 (times the plan's first window error)")
+
+
+def _check_installed(ddp, hook, plan, trend_steps) -> None:
+    """A hook to watch must be a CompressionHook over this model's parameters, and alone."""
+    if not isinstance(hook, CompressionHook):
+        raise TypeError(f"hook= takes the CompressionHook that advisor.install or advisor.autotune returned "
+                        f"(result.hook), got {type(hook).__name__}")
+    if plan is not None or trend_steps:
+        raise ValueError("hook= watches the plan the hook already runs; pass plan= or trend_steps= only without it")
+    names = {n for n, p in ddp.module.named_parameters() if p.requires_grad}
+    if set(hook._names.values()) != names:
+        raise ValueError("hook= was installed on another model (its parameter names differ from this model's); "
+                         "pass the hook installed on this DDP model")
 
 
 def _no_autocast():
@@ -383,12 +441,15 @@ def wrap(ddp_model: DistributedDataParallel, optimizer=None, **kwargs) -> Online
         optimizer: the training optimizer (timed; cloned by the accuracy gate).
         **kwargs: see :class:`OnlineTuner`: ``observe_steps``, ``trial_steps``, ``top``,
             ``watch_every``, ``backoff``, ``candidates``, ``budget``, ``plan`` (only watch a
-            given plan), and for the accuracy gate ``loss_fn``, ``batches``, ``evaluate``,
-            ``held_out``, ``metric``, ``trial_s``.
+            given plan), ``hook`` (only watch the plan of a hook already installed, such as
+            ``advisor.autotune``'s ``result.hook``), and for the accuracy gate ``loss_fn``, ``batches``, ``evaluate``,
+            ``held_out``, ``metric``, ``trial_s``, and for the fidelity watch ``fidelity_sample``
+            (0 turns it off), ``fidelity_window``, ``fidelity_drift``.
 
     Returns:
         The :class:`OnlineTuner`: ``tuner.events`` say what it did and why, ``tuner.plan`` is
-        the plan in use, ``tuner.record_loss(loss)`` feeds the loss watch.
+        the plan in use, ``tuner.fidelity`` the fidelity watch's readings,
+        ``tuner.record_loss(loss)`` feeds the loss watch.
 
     Raises:
         TypeError, ValueError: a bad argument, naming it and the allowed values (before any step).

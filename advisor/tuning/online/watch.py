@@ -13,10 +13,15 @@ from advisor.compressors import SegmentLayout, parse
 from advisor.compressors.registry import CompressorConfig
 from advisor.core.collectives import every_rank, fastest, mean_over_ranks, world_size
 from advisor.runtime import CompressionHook, Plan
+from advisor.runtime.monitor import FidelityMonitor, FidelityReading
 from advisor.runtime.simulate import SimulatedRanks
 from policies.baselines import BASELINES
 
 WATCH = "watch"
+#: the smallest window error that counts as drift, whatever the reference: ratios of tiny errors
+#: (a cast's rounding) say nothing, and fp16 under AdamW on digits drifted to a few percent
+#: with no loss of accuracy (docs/benchmarks.md, "Checked during training")
+FIDELITY_FLOOR = 0.10
 
 
 def loss_trend(steps: Sequence[float], losses: Sequence[float]) -> tuple[float, float, float]:
@@ -39,7 +44,13 @@ def is_lossy(plan: Plan) -> bool:
 
 
 class Watch:
-    """Every ``every`` steps, two checks that back the plan off one level where it loses.
+    """Three checks that back the plan off one level where it loses.
+
+    **Fidelity** (``monitor``, a :class:`~advisor.runtime.monitor.FidelityMonitor`): each of
+    its windows measures how far the delivered mean was from the exact mean on a sample of
+    coordinates.  The first window under a plan is its reference; two windows in a row whose
+    error exceeds ``drift`` times the reference (and :data:`FIDELITY_FLOOR`) back off the
+    configs that drifted.  The next two run every ``every`` steps.
 
     **Gain** (GraVAC-style): the compression gain ``||C(g)|| / ||g||`` of each parameter under
     a lossy config, measured on that step's gradients and averaged over ranks, against the
@@ -60,8 +71,16 @@ class Watch:
     def __init__(self, ddp: DistributedDataParallel, hook: CompressionHook, candidates: Sequence[str], *,
                  every: int, backoff: float | None, loss_z: float, losses: list[tuple[int, float, bool]],
                  note: Callable[[str, str], None], first_in: int = 1, pending: Plan | None = None,
-                 pending_at: int = 0, group=None) -> None:
+                 pending_at: int = 0, monitor: FidelityMonitor | None = None, drift: float = 3.0,
+                 group=None) -> None:
         self.ddp, self.hook, self.candidates, self.group = ddp, hook, list(candidates), group
+        self.monitor, self.drift = monitor, drift
+        #: every window the fidelity monitor read, in order
+        self.readings: list[FidelityReading] = []
+        self._fidelity_reference: FidelityReading | None = None
+        self._fidelity_strikes = 0
+        #: configs each parameter has backed off from (never chosen again for it)
+        self._left: dict[str, set[str]] = {}
         self.every, self.backoff, self.loss_z = every, backoff, loss_z
         self.losses, self.note = losses, note
         self.world = world_size(group)
@@ -74,6 +93,8 @@ class Watch:
         self._watching = False
         self._trend: tuple[float, float, float] | None = None
         self._strikes = 0
+        if monitor is not None:
+            monitor.start()
 
     @property
     def plan(self) -> Plan:
@@ -84,6 +105,10 @@ class Watch:
             self.hook.set_plan(self._pending, reason="the given plan, after the fp32 steps of the loss trend",
                                verify=False)
             self._pending = None
+        if self.monitor is not None:
+            reading = self.monitor.step_ends()
+            if reading is not None:
+                self._check_fidelity(reading)
         if self._watching:
             self._compare_gains()
             self._check_loss(step)
@@ -93,8 +118,34 @@ class Watch:
             self._countdown = self.every
 
     def close(self) -> None:
+        self._stop_measuring_gains()
+        if self.monitor is not None:
+            self.monitor.close()
+
+    def _stop_measuring_gains(self) -> None:
         if self._gain_observer in self.hook.observers:
             self.hook.observers.remove(self._gain_observer)
+
+    # --- the fidelity monitor -----------------------------------------------------------------
+    def _check_fidelity(self, reading: FidelityReading) -> None:
+        """The plan's first window is its reference; two drifted windows in a row back off."""
+        self.readings.append(reading)
+        reference = self._fidelity_reference
+        if reference is None:
+            self._fidelity_reference, self._fidelity_strikes = reading, 0
+            self.note("fidelity", "reference " + reading.describe())
+            return
+        bound = max(self.drift * reference.error, FIDELITY_FLOOR)
+        drifted = {label: e for label, e in reading.by_config.items() if e > bound}
+        self._fidelity_strikes = self._fidelity_strikes + 1 if reading.error > bound and drifted else 0
+        if self._fidelity_strikes < 2:
+            return
+        self.note("fidelity", f"{reading.describe()}: above {bound:.2%} ({self.drift:g}x the reference "
+                              f"{reference.error:.2%}, at least {FIDELITY_FLOOR:.0%}) two windows in a row; drifted: "
+                              + ", ".join(f"{label} {e:.2%}" for label, e in drifted.items()))
+        params = [n for n, _ in self.ddp.module.named_parameters()]
+        moves = {n: (0.0, 1.0) for n in params if self.plan.config_for(n).label in drifted}
+        self._back_off(moves, why="its delivered gradient drifted from the exact mean")
 
     # --- the compression gain -------------------------------------------------------------
     def _measure_gains_on_this_step(self) -> None:
@@ -118,7 +169,7 @@ class Watch:
 
     def _compare_gains(self) -> None:
         self._watching = False
-        self.close()
+        self._stop_measuring_gains()
         keys = sorted(self._gains)
         if len(set(every_rank(len(keys), self.group))) > 1:
             raise RuntimeError("ranks watched different segments; plans differ between ranks")
@@ -180,12 +231,15 @@ class Watch:
         moves: dict[tuple[str, str], list[float]] = {}
         for name, (gain, ref) in backoffs.items():
             current = self.plan.config_for(name)
-            softer = self._less_compression(current, SegmentLayout((name,), (tuple(params[name].shape),)))
+            self._left.setdefault(name, set()).add(current.label)
+            softer = self._less_compression(current, SegmentLayout((name,), (tuple(params[name].shape),)),
+                                            self._left[name])
             assignments[name] = softer.label
             moves.setdefault((current.label, softer.label), []).append(gain / ref)
         new_plan = Plan.from_assignments({n: c for n, c in assignments.items() if c != "none"}, warmup_steps=0)
         self.hook.set_plan(new_plan, reason="online back-off", verify=False)
         self._reference_gain.clear()  # measured again under the new plan on the next watch
+        self._fidelity_reference, self._fidelity_strikes = None, 0
         if why:
             self.note("back-off", "; ".join(f"{a} -> {b} on {len(r)} parameter(s) ({why})"
                                             for (a, b), r in moves.items()))
@@ -194,11 +248,19 @@ class Watch:
             f"{a} -> {b} on {len(r)} parameter(s) (gain fell to {min(r):.2f}-{max(r):.2f} of its reference; "
             f"threshold {self.backoff:g})" for (a, b), r in moves.items()))
 
-    def _less_compression(self, current: CompressorConfig, layout: SegmentLayout) -> CompressorConfig:
-        """The candidate sending the fewest bytes among those sending more than ``current``."""
+    def _less_compression(self, current: CompressorConfig, layout: SegmentLayout,
+                          left: set[str] = frozenset()) -> CompressorConfig:
+        """The candidate sending the fewest bytes among those sending more than ``current``.
+
+        fp16 goes to bf16 first, where bf16 is a candidate not yet left: the same bytes, and
+        fp16's fault late in training is its range, which bf16 has.
+        """
+        if current.label == "fp16" and "bf16" in self.candidates and "bf16" not in left:
+            return parse("bf16")
+
         def wire(config: CompressorConfig) -> int:
             return sum(w.nbytes for w in config.build().wire(layout, self.world))
 
         mine = wire(current)
-        more = [c for c in (parse(c) for c in self.candidates) if wire(c) > mine]
+        more = [c for c in (parse(c) for c in self.candidates) if wire(c) > mine and c.label not in left]
         return min(more, key=wire) if more else parse("none")
