@@ -141,7 +141,7 @@ def bad_wrap_arguments(rank: int, world_size: int):
     ddp = DDP(medium_mlp().model)
     messages = []
     for kwargs in ({"observe_steps": 1}, {"backoff": 0}, {"candidates": ["zstd"]}, {"trial_steps": 0},
-                   {"fidelity_sample": -1}, {"fidelity_window": 1}, {"fidelity_drift": 1.0}):
+                   {"fidelity_sample": -1}, {"fidelity_window": 1}, {"fidelity_drift": 1.0}, {"retrial_share": 0}):
         try:
             advisor.wrap(ddp, **kwargs)
         except ValueError as exc:
@@ -344,3 +344,31 @@ def monitored_steps(rank: int, world_size: int, label: str, window: int):
     monitor.close()
     hook.close()
     return {"readings": readings, "whole_window_error": float((delivered_sum - exact_sum).norm() / exact_sum.norm())}
+
+
+def retrialled_digits(rank: int, world_size: int, labels: list[str], steps: int):
+    """The digits CNN under ``wrap(plan=...)`` with the accuracy gate's data and re-trials taking up to
+    all of the training time (so the first comes at step 120): each plan's re-trials, events and final plan."""
+    from advisor.runtime import Plan
+    from advisor.testbed.workloads import digits, shard
+
+    out = {}
+    for label in labels:
+        torch.manual_seed(0)
+        workload = digits()
+        ddp = DDP(workload.model)
+        opt = workload.optimizer()
+        batches = list(shard(workload.batches, rank, world_size))
+        tuner = advisor.wrap(ddp, opt, plan=Plan.uniform(label, warmup_steps=0), loss_fn=workload.loss_fn,
+                             batches=batches, evaluate=workload.evaluate, expected_steps=6000, retrial_share=1.0,
+                             fidelity_sample=0, backoff=None, watch_every=10**6,
+                             candidates=["none", "fp16", "bf16", "randomk(ratio=0.001, no-ef)"])
+        for i in range(steps):
+            opt.zero_grad()
+            workload.loss_fn(ddp, batches[i % len(batches)]).backward()
+            opt.step()
+        watch = tuner._phase
+        out[label] = {"events": [(e.step, e.what, e.detail) for e in tuner.events], "final": tuner.plan.digest(),
+                      "retrials": [(s, arm.gap, arm.status) for s, _, arm in watch.retrials]}
+        tuner.close()
+    return out

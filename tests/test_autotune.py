@@ -139,11 +139,12 @@ def test_wrap_names_each_bad_argument_and_registers_nothing():
     from autotune_programs import bad_wrap_arguments
 
     messages = launch_local(bad_wrap_arguments, 1, timeout=60)[0]
-    assert len(messages) == 7
+    assert len(messages) == 8
     assert "observe_steps=1" in messages[0] and "backoff=0" in messages[1]
     assert "unknown compressor 'zstd'" in messages[2] and "trial_steps=0" in messages[3]
     assert "fidelity_sample=-1" in messages[4] and "fidelity_window=1" in messages[5]
     assert "fidelity_drift=1.0" in messages[6] and "allowed: > 1" in messages[6]
+    assert "retrial_share=0" in messages[7] and "or None for no re-trials" in messages[7]
 
 
 def test_advisor_autotune_stays_the_function_after_its_module_is_imported():

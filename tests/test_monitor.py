@@ -107,3 +107,19 @@ def test_a_reading_describes_itself_with_its_numbers():
     text = reading.describe()
     assert "steps 25-49" in text and "60.00% summed" in text and "73.0% of entries flushed" in text
     assert text.startswith("per-coordinate")
+
+
+def test_a_periodic_re_trial_backs_off_a_plan_shown_behind_fp32_and_clears_one_that_is_not():
+    from autotune_programs import retrialled_digits
+
+    out = launch_local(retrialled_digits, 2, (["randomk(ratio=0.001, no-ef)", "bf16", "none"], 200), timeout=600)
+    harmful, cast, fp32 = (out[0][label] for label in ("randomk(ratio=0.001, no-ef)", "bf16", "none"))
+    for label in out[0]:
+        assert out[0][label]["final"] == out[1][label]["final"], label  # every rank backed off alike
+    (step, gap, status), = harmful["retrials"]
+    assert step == 120 and status == "rejected" and gap > 0.5
+    at, backoff = next((s, d) for s, w, d in harmful["events"] if w == "back-off")
+    assert at == 120 and "randomk(ratio=0.001, no-ef) ->" in backoff and "re-trial showed it" in backoff
+    assert cast["retrials"][0][2] == "accepted" and "back-off" not in [w for _, w, _ in cast["events"]]
+    assert "next at step" in next(d for _, w, d in cast["events"] if w == "re-trial")
+    assert fp32["retrials"] == []  # plan none: nothing to re-trial

@@ -36,12 +36,17 @@ the model's forward calls, which every rank makes at the same step:
    back the drifted configs off one level: fp16 to bf16 (the same bytes, fp32's range),
    others to the next config sending more bytes.  This is what catches a plan that passed
    its trial at the start and hurts later, as fp16's range does once gradients shrink.
-5. **gain watch** (GraVAC-style): every ``watch_every`` steps the compression gain
+5. **re-trial**: where ``loss_fn`` and ``batches`` are given, the paired accuracy trial runs
+   again from the current weights on shadow copies (fp32 twice and the plan in use), first
+   once training has run long enough to pay for one at ``retrial_share`` (3%) of its time,
+   then as often as that share pays for; a plan shown behind fp32 beyond the tolerance (the
+   gap's 95% lower bound) backs off one level everywhere.
+6. **gain watch** (GraVAC-style): every ``watch_every`` steps the compression gain
    ``||C(g)|| / ||g||`` of each compressed segment is measured on that step's gradients,
    averaged over ranks and compared with the gain measured right after the decision; a
    segment whose gain fell below ``backoff`` times that reference moves to the next less
    compressing config (more bytes on the wire), down to fp16 and fp32.
-6. **loss watch**: where the loop reports its loss (``tuner.record_loss(loss)``, one line),
+7. **loss watch**: where the loop reports its loss (``tuner.record_loss(loss)``, one line),
    the losses of the uncompressed steps (observe, the baseline trials, or ``trend_steps``
    fp32 steps before a given plan) fit a trend ``a + b·ln(step)``; every ``watch_every``
    steps under compression, the window's mean loss (over ranks) is compared with the
@@ -58,6 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -122,11 +128,13 @@ class OnlineTuner:
                  expected_steps: int | None = None, trial_share: float = DEFAULT_TRIAL_SHARE,
                  tolerance: float = gate.DEFAULT_TOLERANCE, trial_options: dict | None = None,
                  fidelity_sample: int = DEFAULT_SAMPLE, fidelity_window: int = DEFAULT_WINDOW,
-                 fidelity_drift: float = 3.0, hook: CompressionHook | None = None, group=None) -> None:
+                 fidelity_drift: float = 3.0, retrial_share: float | None = 0.03, hook: CompressionHook | None = None,
+                 group=None) -> None:
         max_trial_steps = max_trial_steps if max_trial_steps is not None else 2 * trial_steps
         _check_arguments(ddp, optimizer, observe_steps, trial_steps, top, trials, watch_every, backoff,
                          trial_precision, max_trial_steps, trend_steps, loss_z, loss_fn, batches, trial_s, evaluate,
-                         expected_steps, trial_share, tolerance, fidelity_sample, fidelity_window, fidelity_drift)
+                         expected_steps, trial_share, tolerance, fidelity_sample, fidelity_window, fidelity_drift,
+                         retrial_share)
         self._gate_args = None if batches is None else dict(
             loss_fn=loss_fn, batches=batches, evaluate=evaluate, held_out=held_out, metric=metric,
             tolerance=tolerance, **trial_budget(expected_steps, trial_share, trial_s), **dict(trial_options or {}))
@@ -137,6 +145,7 @@ class OnlineTuner:
         self.observe_steps, self.top, self.trials, self.budget = observe_steps, top, trials, budget
         self._race_settings = dict(min_steps=trial_steps, max_steps=max_trial_steps, precision=trial_precision)
         self._watch_settings = dict(every=watch_every, backoff=backoff, loss_z=loss_z, drift=fidelity_drift)
+        self._retrial_share = retrial_share
         self._fidelity_settings = dict(sample=fidelity_sample, window=fidelity_window,
                                        per_coordinate=scales_per_coordinate(optimizer))
         self.step = 0
@@ -341,8 +350,27 @@ class OnlineTuner:
         if self._fidelity_settings["sample"]:
             parameters = [(n, p) for n, p in self.ddp.module.named_parameters() if p.requires_grad]
             monitor = FidelityMonitor(self.hook, parameters, group=self.group, **self._fidelity_settings)
+        retrial = {}
+        if self._gate_args is not None and self._retrial_share is not None:
+            # the first re-trial once training has paid for one: the gate's step budget over its arms,
+            # else three arms of the first trial's length (or of twice the shortest proof)
+            steps = self._gate_args.get("budget_steps") or 3 * (
+                self.accuracy.steps if self.accuracy is not None else 2 * gate.MIN_PROOF_STEPS)
+            retrial = dict(retrial=self._retrial, retrial_share=self._retrial_share,
+                           retrial_at=self.step + math.ceil(steps / self._retrial_share))
         return Watch(self.ddp, self.hook, self.candidates, losses=self.losses, note=self._note, group=self.group,
-                     monitor=monitor, **self._watch_settings, **where)
+                     monitor=monitor, **retrial, **self._watch_settings, **where)
+
+    def _retrial(self, plan: Plan):
+        """The paired trial again, from the current weights: fp32 twice and ``plan`` (judged even unpowered)."""
+        args = dict(self._gate_args)
+        loss_fn, batches = args.pop("loss_fn"), args.pop("batches")
+        trial = AccuracyTrial(self.ddp, loss_fn, batches, self.optimizer, group=self.group, arms_expected=3,
+                              judge_unpowered=True, **args)
+        trial.start()
+        kind = gate.CANDIDATE if is_lossy(plan) else gate.SIXTEEN_BIT
+        arm = trial.trial("the plan in use", plan, kind, f"the plan in use ({plan.digest()})")
+        return arm, trial.report()
 
 
 class UpdateClock:
@@ -378,7 +406,7 @@ class UpdateClock:
 
 def _check_arguments(ddp, optimizer, observe_steps, trial_steps, top, trials, watch_every, backoff, trial_precision,
                      max_trial_steps, trend_steps, loss_z, loss_fn, batches, trial_s, evaluate, expected_steps,
-                     trial_share, tolerance, fidelity_sample, fidelity_window, fidelity_drift) -> None:
+                     trial_share, tolerance, fidelity_sample, fidelity_window, fidelity_drift, retrial_share) -> None:
     """Refuse a bad argument before anything is installed, naming it and the allowed values."""
     if not isinstance(ddp, DistributedDataParallel):
         raise TypeError(f"wrap needs a DistributedDataParallel model, got {type(ddp).__name__}")
@@ -409,6 +437,9 @@ def _check_arguments(ddp, optimizer, observe_steps, trial_steps, top, trials, wa
     check_int("fidelity_window", fidelity_window, 2)
     if not (isinstance(fidelity_drift, (int, float)) and fidelity_drift > 1):
         raise ValueError(f"fidelity_drift={fidelity_drift!r}; allowed: > 1 (times the plan's first window error)")
+    if retrial_share is not None and not (isinstance(retrial_share, (int, float)) and 0 < retrial_share <= 1):
+        raise ValueError(f"retrial_share={retrial_share!r}; allowed: 0 < retrial_share <= 1 (of the training time), "
+                         "or None for no re-trials")
 
 
 def _check_installed(ddp, hook, plan, trend_steps) -> None:
@@ -444,7 +475,8 @@ def wrap(ddp_model: DistributedDataParallel, optimizer=None, **kwargs) -> Online
             given plan), ``hook`` (only watch the plan of a hook already installed, such as
             ``advisor.autotune``'s ``result.hook``), and for the accuracy gate ``loss_fn``, ``batches``, ``evaluate``,
             ``held_out``, ``metric``, ``trial_s``, and for the fidelity watch ``fidelity_sample``
-            (0 turns it off), ``fidelity_window``, ``fidelity_drift``.
+            (0 turns it off), ``fidelity_window``, ``fidelity_drift``, and ``retrial_share``
+            (None: no re-trials).
 
     Returns:
         The :class:`OnlineTuner`: ``tuner.events`` say what it did and why, ``tuner.plan`` is

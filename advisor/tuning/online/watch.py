@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -11,11 +12,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from advisor.compressors import SegmentLayout, parse
 from advisor.compressors.registry import CompressorConfig
-from advisor.core.collectives import every_rank, fastest, mean_over_ranks, world_size
+from advisor.core.collectives import every_rank, fastest, mean_over_ranks, slowest, world_size
 from advisor.runtime import CompressionHook, Plan
 from advisor.runtime.monitor import FidelityMonitor, FidelityReading
 from advisor.runtime.simulate import SimulatedRanks
 from policies.baselines import BASELINES
+from policies.evidence import one_sided_z
 
 WATCH = "watch"
 #: the smallest window error that counts as drift, whatever the reference: ratios of tiny errors
@@ -50,7 +52,11 @@ class Watch:
     its windows measures how far the delivered mean was from the exact mean on a sample of
     coordinates.  The first window under a plan is its reference; two windows in a row whose
     error exceeds ``drift`` times the reference (and :data:`FIDELITY_FLOOR`) back off the
-    configs that drifted.  The next two run every ``every`` steps.
+    configs that drifted.  **Re-trial** (``retrial``, where the accuracy gate has data): at
+    step ``retrial_at`` and then as often as ``retrial_share`` of the training time pays
+    for, the paired trial runs again from the current weights on shadow copies (``retrial(plan)
+    -> (ArmResult, AccuracyTrialReport)``); a plan shown behind fp32 beyond the tolerance (the
+    gap's 95% lower bound) backs off one level everywhere.  The next two run every ``every`` steps.
 
     **Gain** (GraVAC-style): the compression gain ``||C(g)|| / ||g||`` of each parameter under
     a lossy config, measured on that step's gradients and averaged over ranks, against the
@@ -72,6 +78,7 @@ class Watch:
                  every: int, backoff: float | None, loss_z: float, losses: list[tuple[int, float, bool]],
                  note: Callable[[str, str], None], first_in: int = 1, pending: Plan | None = None,
                  pending_at: int = 0, monitor: FidelityMonitor | None = None, drift: float = 3.0,
+                 retrial: Callable | None = None, retrial_at: int = 0, retrial_share: float = 0.03,
                  group=None) -> None:
         self.ddp, self.hook, self.candidates, self.group = ddp, hook, list(candidates), group
         self.monitor, self.drift = monitor, drift
@@ -81,6 +88,11 @@ class Watch:
         self._fidelity_strikes = 0
         #: configs each parameter has backed off from (never chosen again for it)
         self._left: dict[str, set[str]] = {}
+        self.retrial, self.retrial_share, self._retrial_at = retrial, retrial_share, retrial_at
+        #: (step, plan digest, ArmResult) of every re-trial
+        self.retrials: list = []
+        self._clock: float | None = None
+        self._trained_s, self._trained_steps = 0.0, 0
         self.every, self.backoff, self.loss_z = every, backoff, loss_z
         self.losses, self.note = losses, note
         self.world = world_size(group)
@@ -109,6 +121,8 @@ class Watch:
             reading = self.monitor.step_ends()
             if reading is not None:
                 self._check_fidelity(reading)
+        if self.retrial is not None:
+            self._maybe_retrial(step)
         if self._watching:
             self._compare_gains()
             self._check_loss(step)
@@ -146,6 +160,31 @@ class Watch:
         params = [n for n, _ in self.ddp.module.named_parameters()]
         moves = {n: (0.0, 1.0) for n in params if self.plan.config_for(n).label in drifted}
         self._back_off(moves, why="its delivered gradient drifted from the exact mean")
+
+    # --- the paired re-trial ------------------------------------------------------------------
+    def _maybe_retrial(self, step: int) -> None:
+        """At the scheduled step (the same on every rank), re-trial the plan in use."""
+        now = time.perf_counter()
+        if self._clock is not None:
+            self._trained_s, self._trained_steps = self._trained_s + now - self._clock, self._trained_steps + 1
+        self._clock = now
+        if step < self._retrial_at or all(c.name == "none" for c in self.plan.configs()):
+            return
+        plan = self.plan
+        arm, report = self.retrial(plan)
+        cost_s, step_s = slowest([time.perf_counter() - now, self._trained_s / max(1, self._trained_steps)], self.group)
+        self.retrials.append((step, plan.digest(), arm))
+        # the next one once training has run long enough that this one's cost is its share
+        self._retrial_at = step + max(1, math.ceil(cost_s / (self.retrial_share * max(step_s, 1e-9))))
+        self._trained_s, self._trained_steps, self._clock = 0.0, 0, time.perf_counter()
+        low = arm.gap - one_sided_z() * report.se if arm.gap is not None else None
+        shown = arm.gap is not None and (not math.isfinite(arm.gap) or low > report.tolerance)
+        self.note("re-trial", f"{arm.reason} (from the weights at step {step}; {cost_s:.1f} s, next at step "
+                              f"{self._retrial_at})")
+        if shown:
+            params = [n for n, _ in self.ddp.module.named_parameters()]
+            moves = {n: (0.0, 1.0) for n in params if plan.config_for(n).name != "none"}
+            self._back_off(moves, why=f"the re-trial showed it {arm.gap:+.2%} behind fp32, at least {low:+.2%}")
 
     # --- the compression gain -------------------------------------------------------------
     def _measure_gains_on_this_step(self) -> None:
