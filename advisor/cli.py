@@ -195,14 +195,21 @@ def whatif_cmd(profile_path, world_size, bandwidth, latency, speedup, budget, re
     base_s = next(r.predicted_s for r in found.rows if r.config == found.best_baseline)
     table = Table(title=f"Predicted iteration at {found.world_size} workers (compute-only floor "
                         f"{found.compute_only_s * 1e3:.1f} ms)")
-    for col, justify in (("plan (every bucket)", "left"), ("ms/iteration", "right"),
-                         (f"vs {found.best_baseline}", "right"), (f"{found.fidelity_measure} error", "right"),
-                         ("within budget", "left")):
+    trialled = any(r.trial for r in found.rows)
+    columns = [("plan, every bucket", "left"), ("ms/iter", "right"), (f"vs {found.best_baseline}", "right"),
+               (f"{found.fidelity_measure} error", "right"), ("in budget", "left")]
+    if trialled:  # the accuracy trial's evidence, where a result was given
+        columns += [("trial", "left"), ("efficiency", "right"), ("to accuracy (95% low)", "right")]
+    for col, justify in columns:
         table.add_column(col, justify=justify)
     for r in found.rows:
-        table.add_row(r.config, f"{r.predicted_s * 1e3:.1f}", f"{base_s / r.predicted_s:.2f}x",
-                      f"{r.fidelity_error:.3g}", "yes" if r.within_budget else "no")
-    console = Console()
+        cells = [r.config, f"{r.predicted_s * 1e3:.1f}", f"{base_s / r.predicted_s:.2f}x",
+                 f"{r.fidelity_error:.3g}", "yes" if r.within_budget else "no"]
+        if trialled:
+            cells += [r.trial or "-", f"{r.efficiency:.2f}" if r.efficiency is not None else "-",
+                      f"{r.to_accuracy:.2f}x ({r.to_accuracy_low:.2f}x)" if r.to_accuracy is not None else "-"]
+        table.add_row(*cells)
+    console = Console(width=max(Console().width, 120 if trialled else 80))
     console.print(table)
     console.print(f"Budget {found.budget:.3g}: {found.budget_source}")
     console.print(found.verdict)

@@ -372,3 +372,25 @@ def retrialled_digits(rank: int, world_size: int, labels: list[str], steps: int)
                       "retrials": [(s, arm.gap, arm.status) for s, _, arm in watch.retrials]}
         tuner.close()
     return out
+
+
+def monitored_after_warmup(rank: int, world_size: int):
+    """The first window of a plan with 3 warm-up steps starts after them: its error is the compressor's."""
+    from advisor.runtime import FidelityMonitor, Plan
+
+    torch.manual_seed(0)
+    workload = medium_mlp()
+    ddp = DDP(workload.model)
+    hook = advisor.install(ddp, Plan.uniform("topk(ratio=0.05)", warmup_steps=3))
+    monitor = FidelityMonitor(hook, list(ddp.module.named_parameters()), sample=1024, window=2)
+    monitor.start()
+    batches, readings = list(workload.batches), []
+    for i in range(8):
+        reading = monitor.step_ends()
+        if reading is not None:
+            readings.append((reading.first_step, reading.error))
+        workload.loss_fn(ddp, batches[i % len(batches)]).backward()
+        ddp.zero_grad()
+    monitor.close()
+    hook.close()
+    return readings

@@ -145,12 +145,62 @@ def _saved_profile(tmp_path, rate=1e9):
     return path
 
 
-def test_whatif_recommends_compression_on_a_slow_link(runner, tmp_path):
+def test_whatif_names_the_faster_plan_on_a_slow_link_but_advises_the_baseline_until_a_trial_proves_it(runner, tmp_path):
     path = _saved_profile(tmp_path)
     result = runner.invoke(main, ["whatif", str(path), "--bandwidth", "100mbit", "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
-    assert data["compress"] and data["best"] == "powersgd(rank=4)"
+    assert data["best"] == "powersgd(rank=4)" and not data["compress"]
+    assert data["advice"] == data["best_baseline"] and "no trial has checked its accuracy" in data["verdict"]
+
+
+def _trial(efficiency: float, status: str = "accepted"):
+    """An accuracy trial that ran fp32 twice and PowerSGD rank 4 everywhere at ``efficiency``."""
+    from advisor.tuning.accuracy import AccuracyTrialReport, ArmResult
+    from policies import accuracy_gate as gate
+
+    report = AccuracyTrialReport(metric="loss", higher_is_better=False, checkpoints=[0, 20, 40, 60], tolerance=0.01,
+                                 se=0.002, detectable=0.006, powered=True, steps_needed=40, kappa=5.0, kappa_se=0.5,
+                                 progress=0.3, held_out=True, length_reason="powered", seconds=10.0)
+    report.arms = [ArmResult("fp32", gate.REFERENCE, "fp32 (native DDP)", [3.0, 2.5], 5.0, True, "", 0.0,
+                             efficiency=1.0, efficiency_se=0.0),
+                   ArmResult("p4", gate.LADDER, "powersgd(rank=4) everywhere", [3.0, 2.51], 5.0,
+                             status == "accepted", "", 0.004, status=status, efficiency=efficiency,
+                             efficiency_se=0.03)]
+    return report
+
+
+def test_whatif_advises_a_plan_the_trial_proved_by_its_time_to_accuracy(tmp_path):
+    from advisor.perfmodel import Scenario
+    from advisor.tuning.whatif import what_if
+    from profilers.profile import ClusterProfile
+
+    profile = ClusterProfile.load(_saved_profile(tmp_path))
+    slow = Scenario(bandwidth_bps=1e8)
+    proven = what_if(profile, slow, accuracy=_trial(0.95))
+    row = next(r for r in proven.rows if r.config == "powersgd(rank=4)")
+    base = next(r for r in proven.rows if r.config == proven.best_baseline)
+    assert proven.compress and proven.advice == "powersgd(rank=4)" and "compress with" in proven.verdict
+    assert row.to_accuracy == pytest.approx(base.predicted_s / row.predicted_s * 0.95)
+    assert 1 < row.to_accuracy_low < row.to_accuracy
+    inefficient = what_if(profile, slow, accuracy=_trial(0.05))  # 20x fewer fp32 steps' worth per step
+    assert not inefficient.compress and inefficient.advice == inefficient.best_baseline
+    assert "not shown faster" in inefficient.verdict
+    rejected = what_if(profile, slow, accuracy=_trial(0.95, "rejected"))
+    assert not rejected.compress and "the accuracy trial rejected it" in rejected.verdict
+
+
+def test_whatif_shows_the_trials_evidence_beside_the_prediction(runner, tmp_path, monkeypatch):
+    import advisor.cli as cli
+
+    class Result:
+        accuracy = _trial(0.95)
+
+    monkeypatch.setattr(cli.AutotuneResult, "load", staticmethod(lambda path: Result()))
+    path = _saved_profile(tmp_path)
+    shown = runner.invoke(main, ["whatif", str(path), "--bandwidth", "100mbit", "--result", "r.json"])
+    assert shown.exit_code == 0, shown.output
+    assert "to accuracy" in shown.output and "accepted" in shown.output and "compress with powersgd" in shown.output
 
 
 def test_whatif_keeps_to_the_fidelity_budget_and_says_what_no_trial_has_checked(runner, tmp_path):

@@ -123,3 +123,11 @@ def test_a_periodic_re_trial_backs_off_a_plan_shown_behind_fp32_and_clears_one_t
     assert cast["retrials"][0][2] == "accepted" and "back-off" not in [w for _, w, _ in cast["events"]]
     assert "next at step" in next(d for _, w, d in cast["events"] if w == "re-trial")
     assert fp32["retrials"] == []  # plan none: nothing to re-trial
+
+
+def test_a_plans_warm_up_steps_are_not_read_as_its_reference():
+    from autotune_programs import monitored_after_warmup
+
+    readings = launch_local(monitored_after_warmup, 2, timeout=120)[0]
+    assert [first for first, _ in readings] == [3, 5]  # steps 0-2 crossed uncompressed
+    assert all(error > 0.1 for _, error in readings)  # top-k 5%'s own error, not the warm-up's zero

@@ -71,7 +71,8 @@ class FidelityMonitor:
     rank, returns a :class:`FidelityReading` at the end of each window (one all-reduce on
     ``group``, from the training thread: the hook's own collectives run on a group of their
     own) and None otherwise.  A change of plan discards the window in progress; the next one
-    samples the parameters the new plan compresses.  Parameters under plan ``none`` are not
+    samples the parameters the new plan compresses.  The plan's warm-up steps (uncompressed)
+    are not read.  Parameters under plan ``none`` are not
     sampled: their mean is exact.
     """
 
@@ -111,6 +112,10 @@ class FidelityMonitor:
     # --- between steps --------------------------------------------------------------------------
     def step_ends(self) -> FidelityReading | None:
         """Close this step's row; at the window's end, the reading (collective: call on every rank)."""
+        if self.hook.step < self.hook.plan.warmup_steps:
+            # the plan's first steps cross uncompressed: a reference read there would be zero error
+            self._digest, self._local = "", None
+            return None
         if self.hook.plan.digest() != self._digest:
             self._new_window()
             return None

@@ -7,6 +7,12 @@ the user trusts, or the accuracy trial of an autotune result (the budget it earn
 real cluster); with none of these it is assumed (the default reference's error), and the
 verdict says so.  A verdict also says whether the plan it names was trialled for accuracy:
 only a plan the given trial accepted counts as checked.
+
+Where the trial measured a uniform plan's step efficiency, the row also gives its time to
+accuracy against the best baseline: predicted step speed-up times efficiency, with the
+efficiency's 95% interval (the prediction's own error is not in it).  As in autotune, a
+lossy plan is advised only where the trial accepted it and that lower bound beats the
+best baseline; a faster plan no trial has proven is named, and the advice stays the baseline.
 """
 
 from __future__ import annotations
@@ -15,20 +21,40 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from advisor.perfmodel import Scenario
+from policies import accuracy_gate as gate
+from policies.evidence import Estimate, time_to_accuracy
 from policies.problem import BASELINES, DEFAULT_REFERENCE, TuningProblem
 
 
 @dataclass
 class WhatIfRow:
+    """One uniform plan: its predicted step, its error, and what the accuracy trial said of it.
+
+    ``trial``: the trial's verdict on the config everywhere ("" where it was not trialled);
+    ``to_accuracy`` and ``to_accuracy_low``: how many times sooner than the best baseline it
+    reaches the same accuracy (point and 95% lower bound), where the trial measured its
+    efficiency.
+    """
+
     config: str
     predicted_s: float
     fidelity_error: float
     within_budget: bool
+    trial: str = ""
+    efficiency: float | None = None
+    efficiency_se: float | None = None
+    to_accuracy: float | None = None
+    to_accuracy_low: float | None = None
 
 
 @dataclass
 class WhatIfVerdict:
-    """Every uniform plan's predicted time and error, the best one within the budget, and why."""
+    """Every uniform plan's predicted time and error, the fastest within the budget, the advice, and why.
+
+    ``best``: the fastest predicted plan within the budget; ``advice``: what to train with,
+    ``best`` only where the trial proved it (else the best baseline); ``compress``: whether
+    the advice compresses beyond a baseline.
+    """
 
     world_size: int
     compute_only_s: float
@@ -42,6 +68,7 @@ class WhatIfVerdict:
     checked: bool
     verdict: str
     over_budget_faster: list[str] = field(default_factory=list)
+    advice: str = ""
 
 
 def budget_evidence(budget: float | None, reference: str | None, accuracy=None) -> tuple[dict, str, set[str]]:
@@ -92,30 +119,65 @@ def what_if(profile, scenario: Scenario | None = None, *, budget: float | None =
     unknown = [c for c in candidates if c != "none" and any((b, c) not in measured for b in buckets)]
     candidates = [c for c in candidates if c not in unknown]
     problem = TuningProblem.from_profile(profile, candidates, scenario=scenario, **kwargs)
+    trialled = _uniform_arms(accuracy)
     rows = []
     for c in problem.configs:
         u = problem.uniform(c)
+        arm = trialled.get(c)
         rows.append(WhatIfRow(c, float(problem.predict(u)[0]), float(problem.fidelity_error(u)[0]),
-                              bool(problem.feasible(u)[0])))
+                              bool(problem.feasible(u)[0]), trial=arm.status if arm is not None else "",
+                              efficiency=arm.efficiency if arm is not None else None,
+                              efficiency_se=arm.efficiency_se if arm is not None else None))
     rows.sort(key=lambda r: r.predicted_s)
     baselines = [r for r in rows if r.config in BASELINES]
-    base = min(baselines, key=lambda r: r.predicted_s)
+    # a baseline's time to accuracy: its step over its efficiency (1 where it was not trialled)
+    base = min(baselines, key=lambda r: r.predicted_s / min(r.efficiency or 1.0, 1.0))
+    base_tta_s = base.predicted_s / min(base.efficiency or 1.0, 1.0)
+    for r in rows:
+        if r.efficiency is not None and r.efficiency_se is not None and r.efficiency > 0:
+            tta = time_to_accuracy(Estimate(base_tta_s / r.predicted_s, 0.0), Estimate(r.efficiency, r.efficiency_se))
+            r.to_accuracy, r.to_accuracy_low = tta.value, tta.lower()
     best = min((r for r in rows if r.within_budget), key=lambda r: r.predicted_s)
     faster_over = [r.config for r in rows if not r.within_budget and r.predicted_s < best.predicted_s]
-    compress = best.config not in BASELINES and best.predicted_s < base.predicted_s
+    proven = [r for r in rows if r.config not in BASELINES and r.within_budget and r.trial == gate.ACCEPTED
+              and r.to_accuracy_low is not None and r.to_accuracy_low > 1]
     checked = best.config in accepted or best.config == "none"
-    if compress:
-        verdict = (f"compress with {best.config}: predicted {base.predicted_s / best.predicted_s:.2f}x faster than "
-                   f"{base.config}, within the fidelity budget ({source})")
+    if proven:
+        advice = max(proven, key=lambda r: r.to_accuracy)
+        verdict = (f"compress with {advice.config}: to the same accuracy {advice.to_accuracy:.2f}x sooner than "
+                   f"{base.config} (at least {advice.to_accuracy_low:.2f}x: predicted "
+                   f"{base.predicted_s / advice.predicted_s:.2f}x per step, step efficiency {advice.efficiency:.2f} "
+                   f"in the accuracy trial), within the fidelity budget ({source})")
+    elif best.config not in BASELINES and best.predicted_s < base.predicted_s:
+        advice = base
+        step = base.predicted_s / best.predicted_s
+        if best.trial == gate.REJECTED:
+            why = "the accuracy trial rejected it"
+        elif best.to_accuracy is not None:
+            why = (f"to the same accuracy it is {best.to_accuracy:.2f}x, at least {best.to_accuracy_low:.2f}x "
+                   f"(step efficiency {best.efficiency:.2f}): not shown faster")
+        elif best.trial:
+            why = f"the accuracy trial found it {best.trial}"
+        else:
+            why = "no trial has checked its accuracy; prove it with `advisor validate` or autotune on the cluster"
+        verdict = (f"do not compress: {best.config} is predicted {step:.2f}x faster per step than {base.config}, "
+                   f"within the fidelity budget ({source}), but {why}; the advice is {base.config}")
     else:
+        advice = base
         verdict = f"do not compress: {base.config} is the fastest predicted plan within the fidelity budget ({source})"
     if faster_over:
         verdict += f"; faster but over the budget: {', '.join(faster_over)}"
     if unknown:
         verdict += f"; left out, no fidelity measured: {', '.join(unknown)}"
-    if not checked:
-        verdict += (f". This rests on a prediction no trial has checked: {best.config} was not trialled for "
-                    "accuracy; prove it with `advisor validate` or autotune on the cluster")
+    compress = advice.config not in BASELINES
     return WhatIfVerdict(problem.model.world, problem.model.compute_only_s, problem.budget, source,
                          problem.fidelity_measure, rows, best.config, base.config, compress, checked, verdict,
-                         faster_over)
+                         faster_over, advice.config)
+
+
+def _uniform_arms(accuracy) -> dict:
+    """The trial's arms that ran one config everywhere, by config (the ladder, the 16-bit cast)."""
+    if accuracy is None:
+        return {}
+    return {a.description.removesuffix(" everywhere"): a for a in accuracy.arms
+            if a.description.endswith(" everywhere")}
