@@ -51,6 +51,8 @@ class TuningProblem:
     correction: object | None = None
     parameter_names: list[list[str]] = field(default_factory=list)
     fidelity_measure: str = "gradient"
+    #: the kernel forms the profiled device runs faster; every plan made here carries them
+    kernel_forms: dict[str, str] = field(default_factory=dict)
 
     # --- construction ---------------------------------------------------------------
     @classmethod
@@ -80,7 +82,8 @@ class TuningProblem:
         weights = numel / numel.sum()
         names = [list(b.parameters) for b in model.buckets]
         problem = cls(model, costs, errors, weights, budget=0.0, reference=None, parameter_names=names,
-                      fidelity_measure=measure)
+                      fidelity_measure=measure,
+                      kernel_forms=dict(profile.kernels.forms) if profile.kernels is not None else {})
         if budget is None:
             if reference is None:
                 raise ValueError("give an accuracy budget (budget=...) or a reference config (reference=...)")
@@ -140,7 +143,7 @@ class TuningProblem:
         return self.fidelity_error(choices) <= self.budget + _TOLERANCE
 
     def plan(self, choices: np.ndarray, **kwargs) -> Plan:
-        """The runtime plan: each bucket's parameters get that bucket's config."""
+        """The runtime plan: each bucket's parameters get that bucket's config, in the profiled kernel forms."""
         choices = np.asarray(choices).reshape(-1)
         if choices.shape[0] != self.n_buckets:
             raise ValueError(f"a plan needs one choice per bucket ({self.n_buckets}), got {choices.shape[0]}")
@@ -150,7 +153,7 @@ class TuningProblem:
             if label != "none":
                 for name in names:
                     assignments[name] = label
-        return Plan.from_assignments(assignments, **kwargs)
+        return Plan.from_assignments(assignments, **{"kernel_forms": self.kernel_forms, **kwargs})
 
     def choices_for(self, plan: Plan) -> np.ndarray:
         """The index vector of ``plan`` (each bucket takes its first parameter's config)."""

@@ -18,11 +18,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 import advisor
 from advisor.compressors import SegmentLayout
-from advisor.core.collectives import every_rank, slowest
+from advisor.compressors.forms import choose_forms
+from advisor.core.collectives import every_rank, from_rank_zero, slowest
 
 from .compute import LossFn, profile_compute
 from .fidelity import bucket_layout, profile_fidelity
-from .kernels import DEFAULT_CONFIGS, fit_loglog, profile_kernels
+from .kernels import DEFAULT_CONFIGS, fit_loglog, profile_kernels, time_forms
 from .network import profile_network, reduction_dtypes_of
 from .profile import ClusterProfile, Environment, KernelCost, KernelProfile
 
@@ -59,7 +60,21 @@ def slowest_kernels(local: KernelProfile, group) -> KernelProfile:
             decode_knots=fit_loglog(numels, [r[2] for r in rows]),
             world_size=cost.world_size,
         )
-    return KernelProfile(device=local.device, costs=costs)
+    # the forms must be the same on every rank (they round differently); shared_forms chose them alike
+    return KernelProfile(device=local.device, costs=costs, forms=from_rank_zero(local.forms, group),
+                         form_seconds=local.form_seconds)
+
+
+def shared_forms(device, group=None) -> tuple[dict[str, str], dict[str, dict[str, float]]]:
+    """The kernel forms every rank will run: each form's slowest time over the ranks, the faster form
+    by that (the same numbers on every rank, so the same choice), and those times."""
+    local = time_forms(device)
+    keys = [(choice, form) for choice in sorted(local) for form in sorted(local[choice])]
+    worst = slowest([local[c][f] for c, f in keys], group)
+    seconds: dict[str, dict[str, float]] = {}
+    for (choice, form), t in zip(keys, worst):
+        seconds.setdefault(choice, {})[form] = t
+    return choose_forms(seconds), seconds
 
 
 def profile_cluster(
@@ -123,7 +138,9 @@ def profile_cluster(
     if kernels:
         say(f"timing {len(configs)} compressors' encode and decode on this device")
         device = next(ddp.module.parameters()).device
-        local = profile_kernels(layouts, configs, world_size=environment.world_size, device=device)
+        forms, form_seconds = shared_forms(device, group)
+        local = profile_kernels(layouts, configs, world_size=environment.world_size, device=device, forms=forms,
+                                form_seconds=form_seconds)
         kern = slowest_kernels(local, group)
     if fidelity:
         say(f"replaying {fidelity_steps} steps of gradients through every compressor (fidelity)")

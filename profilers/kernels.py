@@ -17,7 +17,8 @@ import torch
 from sklearn.isotonic import IsotonicRegression
 
 from advisor.compressors import SegmentLayout, parse
-from advisor.runtime.timing import measure
+from advisor.compressors.forms import CHOICES, choose_forms
+from advisor.runtime.timing import CacheFlusher, measure, time_call
 
 from .profile import KernelCost, KernelProfile
 
@@ -50,6 +51,15 @@ def fit_loglog(numels: Sequence[float], seconds: Sequence[float]) -> list[list[f
     return [[a, b] for a, b in knots]
 
 
+def time_forms(device: str | torch.device = "cpu", repeats: int = 7) -> dict[str, dict[str, float]]:
+    """Median seconds of every form of every kernel choice on ``device`` (CPU caches flushed before each)."""
+    device = torch.device(device)
+    flush = CacheFlusher() if device.type == "cpu" else None
+    return {name: {form: time_call(choice.probe(form, device), repeats=repeats, device=device, flush=flush)
+                   for form in choice.forms}
+            for name, choice in CHOICES.items()}
+
+
 def profile_kernels(
     layouts: Sequence[SegmentLayout],
     configs: Sequence[str] = DEFAULT_CONFIGS,
@@ -57,8 +67,10 @@ def profile_kernels(
     device: str | torch.device = "cpu",
     ladder: Sequence[int] = (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22),
     repeats: int = 5,
+    forms: dict[str, str] | None = None,
+    form_seconds: dict[str, dict[str, float]] | None = None,
 ) -> KernelProfile:
-    """Time every config's encode and decode on this device, and fit their cost by size.
+    """Choose the kernel forms on this device, then time every config's encode and decode with them.
 
     Args:
         layouts: the buckets' layouts (each is timed at its own size).
@@ -67,6 +79,8 @@ def profile_kernels(
         device: where the kernels run.
         ladder: more sizes (elements), so the fit covers buckets of other models.
         repeats: timings per size (the median counts).
+        forms: kernel forms to use as they are (default: time every form here and keep the
+            faster, :func:`time_forms`); ``form_seconds``: the timings they were chosen from.
 
     Returns:
         A :class:`KernelProfile` of this rank (:func:`profilers.cluster.slowest_kernels` merges ranks).
@@ -74,13 +88,17 @@ def profile_kernels(
     Raises:
         ValueError: an unknown config, naming the allowed ones.
     """
+    if forms is None:
+        form_seconds = time_forms(device)
+        forms = choose_forms(form_seconds)
     samples = list(layouts) + [square_layout(n) for n in ladder]
     costs = {}
     for spec in configs:
         config = parse(spec)
         points = []
         for layout in samples:
-            t = measure(config.build(), layout, world_size=world_size, repeats=repeats, warmup=1, device=device)
+            t = measure(config.build(), layout, world_size=world_size, repeats=repeats, warmup=1, device=device,
+                        forms=forms)
             points.append([float(layout.numel), t.encode_s, t.decode_s])
         numels = [p[0] for p in points]
         costs[config.label] = KernelCost(
@@ -90,4 +108,5 @@ def profile_kernels(
             decode_knots=fit_loglog(numels, [p[2] for p in points]),
             world_size=world_size,
         )
-    return KernelProfile(device=str(torch.device(device)), costs=costs)
+    return KernelProfile(device=str(torch.device(device)), costs=costs, forms=dict(forms),
+                         form_seconds=dict(form_seconds or {}))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from advisor.compressors.forms import check_forms
 from advisor.core.documents import VersionedDocument
 
 PROFILE_VERSION = 1
@@ -174,8 +175,19 @@ class KernelCost:
 
 @dataclass
 class KernelProfile:
+    """Each config's cost by size on ``device``, measured with the kernel ``forms`` chosen there.
+
+    ``forms``: per kernel choice (:mod:`advisor.compressors.forms`), the form this device ran
+    faster (plans made from this profile carry it); ``form_seconds``: what each form took.
+    """
+
     device: str
     costs: dict[str, KernelCost]
+    forms: dict[str, str] = field(default_factory=dict)
+    form_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.forms = check_forms(self.forms)
 
 
 @dataclass

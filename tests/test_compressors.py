@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from advisor.compressors import REGISTRY, CompressorConfig, SegmentLayout, available, parse
+from advisor.compressors.base import ExchangeContext
 from advisor.compressors.packing import lane_words, pack_bits, pack_lanes, packed_nbytes, unpack_bits, unpack_lanes
 from advisor.compressors.powersgd import outer_product_, project_
 from advisor.compressors.sparse import stratified_indices, topk_abs_indices
@@ -95,25 +96,27 @@ def test_powersgd_recovers_a_low_rank_gradient_after_warm_start():
     assert torch.allclose(out, low_rank, atol=1e-4)
 
 
+@pytest.mark.parametrize("form", ["matmul", "rank1-updates"])
 @pytest.mark.parametrize("rank", [1, 2, 4, 8])
 @pytest.mark.parametrize("shape", [(64, 64), (1024, 512)])
-def test_powersgd_outer_products_match_a_matmul(rank, shape):
-    # large low-rank products go as rank-1 updates on CPU; small or high-rank ones as a matmul
+def test_powersgd_outer_products_match_a_matmul_in_either_form(rank, shape, form):
     gen = torch.Generator().manual_seed(rank)
     p, qt = torch.randn(shape[0], rank, generator=gen), torch.randn(rank, shape[1], generator=gen)
     m = torch.randn(shape, generator=gen)
     out = torch.full(shape, float("nan"))
-    torch.testing.assert_close(outer_product_(p, qt, out), p @ qt, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(outer_product_(p, qt, m.clone(), subtract=True), m - p @ qt, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outer_product_(p, qt, out, form=form), p @ qt, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outer_product_(p, qt, m.clone(), subtract=True, form=form), m - p @ qt,
+                               rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("form", ["direct", "transposed"])
 @pytest.mark.parametrize("rank", [1, 3, 4, 8])
-def test_powersgd_projection_matches_a_matmul_in_either_form(rank):
-    # from rank 4 up, CPU computes (Q Mᵀ)ᵀ instead of M Qᵀ
+def test_powersgd_projection_matches_a_matmul_in_either_form(rank, form):
     gen = torch.Generator().manual_seed(rank)
     m, qt = torch.randn(300, 200, generator=gen), torch.randn(rank, 200, generator=gen)
     out = torch.full((300, rank), float("nan"))
-    torch.testing.assert_close(project_(m, qt, out), m @ qt.t(), rtol=1e-5, atol=1e-4)
+    ctx = ExchangeContext(2, forms={"powersgd-projection": form})
+    torch.testing.assert_close(project_(m, qt, out, ctx), m @ qt.t(), rtol=1e-5, atol=1e-4)
 
 
 def test_powersgd_sends_vectors_and_unshrinkable_matrices_uncompressed():

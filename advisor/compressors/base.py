@@ -23,11 +23,13 @@ import enum
 import math
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from advisor.compressors.forms import form_of
 
 
 class Collective(str, enum.Enum):
@@ -141,7 +143,13 @@ class ExchangeContext:
     pending_add: torch.Tensor | None = field(default=None, repr=False)
     #: buffers kept for this segment from step to step (see :meth:`buffer`)
     workspace: dict = field(default_factory=dict, repr=False)
+    #: the kernel form of each choice (:mod:`advisor.compressors.forms`); absent: the default
+    forms: Mapping[str, str] = field(default_factory=dict)
     first_payload: torch.Tensor | None = field(default=None, repr=False)
+
+    def form(self, choice: str) -> str:
+        """The kernel form to run for ``choice`` (the plan's, else the choice's default)."""
+        return form_of(self.forms, choice)
 
     def buffer(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A flat scratch tensor that is reused at the next step of the same segment.

@@ -21,6 +21,7 @@ import math
 import torch
 
 from advisor.compressors.base import Collective, Compressor, Exchange, Message, SegmentLayout, WireSpec, is_finite, stable_hash
+from advisor.compressors.forms import form_of
 
 
 def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int] | None:
@@ -40,26 +41,37 @@ def orthogonalize_(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     return p
 
 
-#: below this rank, and from this many elements up, CPU outer products go as rank-1 updates
+#: outer products smaller than this always go as one matmul: the choice between forms is timed
+#: (and matters) on out-of-cache matrices
+_FORM_MIN_NUMEL = 1 << 18
+#: from this rank up, products are always one matmul (a loop of rank-1 updates only pays at low rank)
 _RANK1_UPDATES_MAX_RANK = 4
-_RANK1_UPDATES_MIN_NUMEL = 1 << 18
+#: from this rank up, the projection has two forms
+_TRANSPOSED_PROJECTION_MIN_RANK = 4
 
 
-def outer_product_(p: torch.Tensor, qt: torch.Tensor, out: torch.Tensor, subtract: bool = False) -> torch.Tensor:
+def outer_form(rank: int, numel: int, forms=None) -> str:
+    """The form of ``P·Qᵀ`` at this rank and size under ``forms`` (a plan's kernel forms)."""
+    if rank > _RANK1_UPDATES_MAX_RANK or numel < _FORM_MIN_NUMEL:
+        return "matmul"
+    return form_of(forms, "powersgd-outer-rank1" if rank == 1 else "powersgd-outer-rank2-4")
+
+
+def outer_product_(p: torch.Tensor, qt: torch.Tensor, out: torch.Tensor, subtract: bool = False,
+                   form: str = "matmul") -> torch.Tensor:
     """``out = p·qt``, or ``out -= p·qt`` with ``subtract``; ``p`` is (n, r), ``qt`` (r, m).
 
-    Why not always one matmul: on the CPU this was tuned on, BLAS sgemm with an inner
-    dimension of 2 to 4 on an out-of-cache matrix ran far below memory speed while BLAS ger
-    streamed it; that depends on the CPU and BLAS (benchmarks/kernel_choices.py times both
-    forms).  Small matrices, higher ranks and accelerators keep the matmul.
+    ``form``: ``"matmul"``, or ``"rank1-updates"`` (one BLAS ger a rank): on some CPUs sgemm
+    with an inner dimension of 1 to 4 on an out-of-cache matrix runs far below memory speed
+    while ger streams it; the kernel profiler times both on the device
+    (:mod:`advisor.compressors.forms`).
     """
-    r = p.shape[1]
-    if p.device.type != "cpu" or r > _RANK1_UPDATES_MAX_RANK or out.numel() < _RANK1_UPDATES_MIN_NUMEL:
+    if form == "matmul":
         if subtract:
             return out.addmm_(p, qt, alpha=-1.0)
         return torch.matmul(p, qt, out=out)
     alpha = -1.0 if subtract else 1.0
-    for k in range(r):
+    for k in range(p.shape[1]):
         if k == 0 and not subtract:
             torch.outer(p[:, 0], qt[0], out=out)
         else:
@@ -67,27 +79,19 @@ def outer_product_(p: torch.Tensor, qt: torch.Tensor, out: torch.Tensor, subtrac
     return out
 
 
-#: from this rank up, CPU products ``M Qᵀ`` go as ``(Q Mᵀ)ᵀ``
-_TRANSPOSED_PROJECTION_MIN_RANK = 4
-
-
 def project_(mat: torch.Tensor, qt: torch.Tensor, out: torch.Tensor, ctx=None) -> torch.Tensor:
     """``out = mat·qtᵀ`` (n x r) for ``mat`` (n, m) and ``qt`` (r, m).
 
-    Why two forms: the BLAS of the CPU this was tuned on picks its kernel by the output's
-    layout, and from rank 4 the (r, n) product ``Q Mᵀ`` ran faster there than the (n, r)
-    product ``M Qᵀ``; that depends on the CPU and BLAS (benchmarks/kernel_choices.py times
-    both).  The transposed form is computed into a small (r, n) scratch buffer and copied
-    into place.
+    Two forms from rank 4 up (``ctx.form("powersgd-projection")``): ``"direct"``, or
+    ``"transposed"``, the (r, n) product ``Q Mᵀ`` into a small scratch buffer, copied into
+    place: some BLAS pick their kernel by the output's layout, and ran that one faster.
     """
     r = qt.shape[0]
-    if mat.device.type != "cpu" or r < _TRANSPOSED_PROJECTION_MIN_RANK:
+    form = ctx.form("powersgd-projection") if ctx is not None else "direct"
+    if r < _TRANSPOSED_PROJECTION_MIN_RANK or form == "direct":
         return torch.matmul(mat, qt.t(), out=out)
     n = mat.shape[0]
-    if ctx is not None:
-        scratch = ctx.buffer(f"p-transposed-{r * n}", r * n, mat.dtype, mat.device).view(r, n)
-    else:
-        scratch = torch.empty(r, n, dtype=mat.dtype, device=mat.device)
+    scratch = ctx.buffer(f"p-transposed-{r * n}", r * n, mat.dtype, mat.device).view(r, n)
     torch.matmul(qt, mat.t(), out=scratch)
     return out.copy_(scratch.t())
 
@@ -182,7 +186,7 @@ class PowerSGD(Compressor):
             qt = q_local[offset_q : offset_q + m * r].view(r, m)
             torch.matmul(p_hat.t(), mat, out=qt)
             if ctx.keep_residual:
-                outer_product_(p_hat, qt, mat, subtract=True)
+                outer_product_(p_hat, qt, mat, subtract=True, form=outer_form(r, mat.numel(), ctx.forms))
             offset_p += n * r
             offset_q += m * r
         if ctx.keep_residual:
@@ -195,7 +199,7 @@ class PowerSGD(Compressor):
         for (i, n, m, r), p_hat in zip(compressed, p_hats):
             qt_mean = summed_q[offset_q : offset_q + m * r].view(r, m)
             qmem[layout.names[i]] = qt_mean.clone()
-            outer_product_(p_hat, qt_mean, views_out[i].view(n, m))
+            outer_product_(p_hat, qt_mean, views_out[i].view(n, m), form=outer_form(r, n * m, ctx.forms))
             offset_q += m * r
         if dense:
             self._write_dense(dense_sums, 0, dense, views_out, ctx.world_size)

@@ -355,20 +355,22 @@ class IntQuant(Compressor):
         words = ctx.buffer("words", lane_words(numel, lane), torch.int64, inp.device)
         work = ctx.buffer("block", block_rows * CHUNK, torch.float32, inp.device)
         unsigned = ctx.buffer("lanes", block_rows * CHUNK, torch.int64, inp.device)
-        # float <-> int64 goes through int32, which was the faster path on the CPU this was
-        # tuned on (benchmarks/kernel_choices.py times both); lanes of 32 bits and more
-        # (beyond 2**23 ranks at 8 bits) convert directly
-        narrow_dtype = torch.int32 if lane < 32 else torch.int64
-        narrow = ctx.buffer("lanes-narrow", block_rows * CHUNK, narrow_dtype, inp.device)
+        # float <-> int64 directly, or through int32 where the kernel profiler found that faster on
+        # this device (advisor.compressors.forms); lanes of 32 bits and more (beyond 2**23 ranks
+        # at 8 bits) always convert directly
+        via_int32 = ctx.form("intquant-conversion") == "via-int32" and lane < 32
+        narrow = ctx.buffer("lanes-narrow", block_rows * CHUNK, torch.int32, inp.device) if via_int32 else None
         generator = rounding_generator(ctx, layout, inp.device)
         for a, b in blocks(rows.shape[0], block_rows):
             codes = quantize_block(rows[a:b], shared[a:b], self.bits, work, generator, ctx.keep_residual)
             first, end = a * CHUNK, min(numel, b * CHUNK)
             n_words = lane_words(end - first, lane)
             block_lanes = unsigned[: n_words * lanes]
-            codes32 = narrow[: end - first]
-            codes32.copy_(codes.view(-1)[: end - first].add_(s))
-            block_lanes[: end - first].copy_(codes32)
+            shifted = codes.view(-1)[: end - first].add_(s)
+            if via_int32:
+                block_lanes[: end - first].copy_(narrow[: end - first].copy_(shifted))
+            else:
+                block_lanes[: end - first].copy_(shifted)
             block_lanes[end - first :].zero_()
             w0 = first // lanes
             pack_lanes(block_lanes, lane, out=words[w0 : w0 + n_words])
@@ -384,9 +386,8 @@ class IntQuant(Compressor):
             w0 = first // lanes
             codes = work[: (b - a) * CHUNK]
             lanes_out = unsigned[: n_words * lanes]
-            codes32 = narrow[: end - first]
-            codes32.copy_(unpack_lanes(summed[w0 : w0 + n_words], lane, end - first, out=lanes_out))
-            codes[: end - first].copy_(codes32)
+            unpacked = unpack_lanes(summed[w0 : w0 + n_words], lane, end - first, out=lanes_out)
+            codes[: end - first].copy_(narrow[: end - first].copy_(unpacked) if via_int32 else unpacked)
             codes[: end - first].sub_(offset)
             codes[end - first :].zero_()
             accumulate_block(out[first:end], codes.view(b - a, CHUNK), step[a:b], first=True)

@@ -121,6 +121,7 @@ class CompressionHook:
                 seed=self.plan.seed,
                 rank=self.rank,
                 workspace=self._workspaces.setdefault(layout.names, {}),
+                forms=self.plan.kernel_forms,
             )
             residuals = self._residuals if compressor.error_feedback else None
             grad = buffer[offset : offset + layout.numel]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from advisor.compressors.forms import check_forms
 from advisor.compressors.registry import CompressorConfig, parse
 from advisor.core.documents import JsonDocument
 
@@ -51,9 +52,13 @@ class Plan(JsonDocument):
     seed: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
     version: int = PLAN_VERSION
+    #: the kernel form of each choice the device runs faster (:mod:`advisor.compressors.forms`);
+    #: absent choices run their default form.  Forms round differently, so they are in the digest.
+    kernel_forms: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.default = parse(self.default)
+        self.kernel_forms = check_forms(self.kernel_forms)
         self.groups = [g if isinstance(g, PlanGroup) else PlanGroup(**g) for g in self.groups]
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"plan warmup_steps={self.warmup_steps!r}; allowed: an integer >= 0")
@@ -78,7 +83,7 @@ class Plan(JsonDocument):
         Args:
             compressor: a config in any form :func:`advisor.parse` reads (``"fp16"``, ...).
             **kwargs: more fields: ``warmup_steps`` (uncompressed steps first; default 10),
-                ``seed``, ``metadata``.
+                ``seed``, ``metadata``, ``kernel_forms``.
 
         Raises:
             ValueError: an unreadable or invalid config, naming the allowed ones.
@@ -157,13 +162,14 @@ class Plan(JsonDocument):
                 {"parameters": list(g.parameters), "compressor": g.compressor.to_dict()} for g in self.groups
             ],
             "metadata": self.metadata,
+            **({"kernel_forms": dict(sorted(self.kernel_forms.items()))} if self.kernel_forms else {}),
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
         cls.check_header(data)
         version = data["version"]
-        extra = set(data) - {"kind", "version", "default", "warmup_steps", "seed", "groups", "metadata"}
+        extra = set(data) - {"kind", "version", "default", "warmup_steps", "seed", "groups", "metadata", "kernel_forms"}
         if extra:
             raise ValueError(f"plan has unknown field(s) {sorted(extra)}")
         groups = []
@@ -184,6 +190,7 @@ class Plan(JsonDocument):
             seed=data.get("seed", 0),
             metadata=dict(data.get("metadata", {})),
             version=version,
+            kernel_forms=data.get("kernel_forms", {}),
         )
 
     def digest(self) -> str:

@@ -42,6 +42,8 @@ class SimulatedRanks:
     states: list[dict[str, Any]] = field(default_factory=list)
     step: int = 0
     bytes_sent: int = 0
+    #: kernel forms, as a plan names them (:mod:`advisor.compressors.forms`)
+    forms: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.residuals = [ResidualStore() for _ in range(self.world_size)]
@@ -66,6 +68,7 @@ class SimulatedRanks:
                     seed=self.seed,
                     rank=r,
                     workspace=self.workspaces[r].setdefault(layout.names, {}),
+                    forms=self.forms,
                 ),
             )
             for r, buf in enumerate(bufs)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -67,10 +67,12 @@ def run_once(
     workspace: dict | None = None,
     clock: Callable[[], float] = time.perf_counter,
     flush: Callable[[], None] | None = None,
+    forms: Mapping[str, str] | None = None,
 ) -> CodecTiming:
-    """One exchange on a copy of ``grad``; returns its encode and decode time."""
+    """One exchange on a copy of ``grad`` (kernel ``forms`` as a plan names them); its encode and decode time."""
     buf = grad.clone()
-    ctx = ExchangeContext(world_size, step=step, workspace=workspace if workspace is not None else {})
+    ctx = ExchangeContext(world_size, step=step, workspace=workspace if workspace is not None else {},
+                          forms=forms or {})
     exchange = guarded_exchange(compressor, buf, layout, state, residuals, ctx)
     device = grad.device
     if flush is not None:
@@ -107,8 +109,9 @@ def measure(
     device: str | torch.device = "cpu",
     grad: torch.Tensor | None = None,
     flush: Callable[[], None] | None = None,
+    forms: Mapping[str, str] | None = None,
 ) -> CodecTiming:
-    """Median encode/decode time over ``repeats`` exchanges after ``warmup`` ones."""
+    """Median encode/decode time over ``repeats`` exchanges after ``warmup`` ones (kernel ``forms`` as a plan's)."""
     device = torch.device(device)
     if grad is None:
         grad = torch.randn(layout.numel, device=device)
@@ -116,7 +119,7 @@ def measure(
     workspace: dict = {}
     residuals = ResidualStore() if compressor.error_feedback else None
     runs = [
-        run_once(compressor, grad, layout, world_size, state, residuals, step, workspace, flush=flush)
+        run_once(compressor, grad, layout, world_size, state, residuals, step, workspace, flush=flush, forms=forms)
         for step in range(warmup + repeats)
     ][warmup:]
     return CodecTiming(

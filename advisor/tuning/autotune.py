@@ -398,8 +398,8 @@ def _earn_budget(problem, trial: LazyTrial, lossy: Sequence[str], sixteen: str |
     low, high = -1, len(lossy)  # every plan up to ``low`` passed; the first failure is at or below ``high``
     while high - low > 1:
         mid = (low + high) // 2
-        arm = trial.judge(lossy[mid], Plan.uniform(lossy[mid], warmup_steps=0), problem.uniform(lossy[mid])[0],
-                          gate.LADDER, f"{lossy[mid]} everywhere")
+        plan = Plan.uniform(lossy[mid], warmup_steps=0, kernel_forms=problem.kernel_forms)
+        arm = trial.judge(lossy[mid], plan, problem.uniform(lossy[mid])[0], gate.LADDER, f"{lossy[mid]} everywhere")
         low, high = (mid, high) if arm.accepted else (low, mid)
     trialled = [(a.fidelity_error, a.accepted) for a in trial.arms.values() if a.fidelity_error is not None]
     earned = gate.earned_budget(trialled)

@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 from advisor.compressors import SegmentLayout
 from advisor.core.collectives import slowest, world_size
 from advisor.runtime import CompressionHook
-from profilers.cluster import environment_of, slowest_kernels
+from profilers.cluster import environment_of, shared_forms, slowest_kernels
 from profilers.compute import copy_rate, ddp_buckets, layer_costs, layer_of
 from profilers.fidelity import fidelity_of
 from profilers.kernels import profile_kernels
@@ -115,8 +115,11 @@ class Observation:
                                   reduction_dtypes=reduction_dtypes_of(candidates, world))
         layouts = [SegmentLayout(tuple(b.parameters), tuple(tuple(shapes[n]) for n in b.parameters)) for b in buckets]
         configs = [c for c in candidates if c != "none"]
-        kernels = slowest_kernels(profile_kernels(layouts, configs, world_size=world,
-                                                  ladder=(1 << 14, 1 << 17, 1 << 20), repeats=3), group)
+        device = next(self.ddp.module.parameters()).device
+        forms, form_seconds = shared_forms(device, group)
+        kernels = slowest_kernels(profile_kernels(layouts, configs, world_size=world, device=device,
+                                                  ladder=(1 << 14, 1 << 17, 1 << 20), repeats=3, forms=forms,
+                                                  form_seconds=form_seconds), group)
         streams = [self.grads.get(layout.names) or [] for layout in layouts]
         fidelity = fidelity_of(streams, layouts, buckets, configs,
                                steps=len(next(iter(self.grads.values()), [])), group=group)
