@@ -31,10 +31,11 @@ def tune_and_train(rank: int, world_size: int, kwargs: dict):
     result = advisor.autotune(ddp, workload.loss_fn, workload.batches, opt, **{**FAST, **kwargs})
     unchanged = all(torch.equal(before[k], v) for k, v in ddp.module.state_dict().items())
     momentum_empty = len(opt.state) == 0
-    # training goes on with whatever was installed, watched (every 2 steps) where a plan was
+    # training goes on with whatever was installed, watched (every 2 steps after the plan's 2
+    # warm-up steps) where a plan was
     watch = result.watch(ddp, opt, fidelity_window=2)
     losses = []
-    for batch in list(workload.batches)[:4]:
+    for batch in list(workload.batches)[:6]:
         opt.zero_grad()
         loss = workload.loss_fn(ddp, batch)
         loss.backward()

@@ -275,7 +275,8 @@ class Watch:
                                             self._left[name])
             assignments[name] = softer.label
             moves.setdefault((current.label, softer.label), []).append(gain / ref)
-        new_plan = Plan.from_assignments({n: c for n, c in assignments.items() if c != "none"}, warmup_steps=0)
+        new_plan = Plan.from_assignments({n: c for n, c in assignments.items() if c != "none"}, warmup_steps=0,
+                                         kernel_forms=self.plan.kernel_forms)
         self.hook.set_plan(new_plan, reason="online back-off", verify=False)
         self._reference_gain.clear()  # measured again under the new plan on the next watch
         self._fidelity_reference, self._fidelity_strikes = None, 0
