@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 import advisor
 from advisor.compressors import SegmentLayout
 from advisor.compressors.forms import choose_forms
-from advisor.core.collectives import every_rank, from_rank_zero, slowest
+from advisor.core.collectives import every_rank, slowest
 
 from .compute import LossFn, profile_compute
 from .fidelity import bucket_layout, profile_fidelity
@@ -60,9 +60,8 @@ def slowest_kernels(local: KernelProfile, group) -> KernelProfile:
             decode_knots=fit_loglog(numels, [r[2] for r in rows]),
             world_size=cost.world_size,
         )
-    # the forms must be the same on every rank (they round differently); shared_forms chose them alike
-    return KernelProfile(device=local.device, costs=costs, forms=from_rank_zero(local.forms, group),
-                         form_seconds=local.form_seconds)
+    # every rank runs the same forms (they round differently): its callers chose them with shared_forms
+    return KernelProfile(device=local.device, costs=costs, forms=local.forms, form_seconds=local.form_seconds)
 
 
 def shared_forms(device, group=None) -> tuple[dict[str, str], dict[str, dict[str, float]]]:

@@ -91,7 +91,7 @@ class FidelityMonitor:
         self._delivered: torch.Tensor | None = None
         self._row = 0
         self._first_step = 0
-        self._digest = ""
+        self._plan = None  # the plan this window samples (a new plan is a new object: set_plan)
         self._hook_step = 0
         self._attached = False
 
@@ -114,9 +114,9 @@ class FidelityMonitor:
         """Close this step's row; at the window's end, the reading (collective: call on every rank)."""
         if self.hook.step < self.hook.plan.warmup_steps:
             # the plan's first steps cross uncompressed: a reference read there would be zero error
-            self._digest, self._local = "", None
+            self._plan, self._local = None, None
             return None
-        if self.hook.plan.digest() != self._digest:
+        if self.hook.plan is not self._plan:
             self._new_window()
             return None
         if self.hook.step == self._hook_step:
@@ -134,7 +134,7 @@ class FidelityMonitor:
     def _new_window(self) -> None:
         """Draw this window's coordinates among the parameters the plan compresses (same on every rank)."""
         plan = self.hook.plan
-        self._digest, self._hook_step, self._row = plan.digest(), self.hook.step, 0
+        self._plan, self._hook_step, self._row = plan, self.hook.step, 0
         self._first_step = self.hook.step
         names = sorted(n for n in self._numel if plan.config_for(n).name != "none")
         self._where, self._labels, self._segments = {}, [], {}
@@ -206,13 +206,14 @@ class FidelityMonitor:
         labels = [label for label, keep in zip(self._labels, seen.tolist()) if keep]
         scale = exact.pow(2).mean(0).sqrt() if self.per_coordinate else torch.ones(exact.shape[1])
         live = scale > 0
-        error = _relative(delivered.sum(0), exact.sum(0), scale, live)
+        got, want = delivered.sum(0), exact.sum(0)
+        error = _relative(got, want, scale, live)
         per_step = [_relative(delivered[t], exact[t], scale, live) for t in range(exact.shape[0])]
         zeroed = ((delivered == 0) & (exact != 0))[:, live]
         by_config = {}
         for label in sorted(set(labels)):
             mine = torch.tensor([lab == label for lab in labels]) & live
-            by_config[label] = _relative(delivered.sum(0), exact.sum(0), scale, mine)
+            by_config[label] = _relative(got, want, scale, mine)
         return FidelityReading(
             first_step=self._first_step, steps=exact.shape[0], coordinates=int(live.sum()), error=error,
             step_error=sum(per_step) / len(per_step), zeroed=float(zeroed.float().mean()) if zeroed.numel() else 0.0,

@@ -76,10 +76,7 @@ def budget_evidence(budget: float | None, reference: str | None, accuracy=None) 
 
     ``accuracy``: an :class:`advisor.tuning.accuracy.AccuracyTrialReport` (an autotune result's).
     """
-    accepted: set[str] = set()
-    if accuracy is not None:
-        accepted = {a.description.removesuffix(" everywhere") for a in accuracy.arms
-                    if a.accepted and a.description.endswith(" everywhere")}
+    accepted = {config for config, arm in _uniform_arms(accuracy).items() if arm.accepted}
     if budget is not None:
         return {"budget": budget}, "given", accepted
     if reference is not None:

@@ -32,7 +32,7 @@ the model's forward calls, which every rank makes at the same step:
    window of ``fidelity_window`` steps ends with one all-reduce of the local values, which
    gives the exact mean, and the window's error (summed over the window, so error feedback
    counts; per coordinate under Adam-like optimizers) is compared with the plan's first
-   window.  Two windows in a row above ``fidelity_drift`` times that reference (and 5%)
+   window.  Two windows in a row above ``fidelity_drift`` times that reference (and 10%)
    back the drifted configs off one level: fp16 to bf16 (the same bytes, fp32's range),
    others to the next config sending more bytes.  This is what catches a plan that passed
    its trial at the start and hurts later, as fp16's range does once gradients shrink.
@@ -330,11 +330,8 @@ class OnlineTuner:
         """
         if self._gate_args is None:
             return unprovable("wrap was given no loss_fn and batches")
-        args = dict(self._gate_args)
-        loss_fn, batches = args.pop("loss_fn"), args.pop("batches")
-        trial = LazyTrial(AccuracyTrial(self.ddp, loss_fn, batches, self.optimizer, group=self.group,
-                                        arms_expected=2 + len(race.arms) - 1, **args),
-                          self._problem, lambda msg: log.info("step %d: %s", self.step, msg))
+        trial = LazyTrial(self._trial(arms_expected=2 + len(race.arms) - 1), self._problem,
+                          lambda msg: log.info("step %d: %s", self.step, msg))
 
         def judge(decision):
             arm = trial.judge_arm(race.arms[decision.chosen])
@@ -361,12 +358,15 @@ class OnlineTuner:
         return Watch(self.ddp, self.hook, self.candidates, losses=self.losses, note=self._note, group=self.group,
                      monitor=monitor, **retrial, **self._watch_settings, **where)
 
-    def _retrial(self, plan: Plan):
-        """The paired trial again, from the current weights: fp32 twice and ``plan`` (judged even unpowered)."""
+    def _trial(self, **settings) -> AccuracyTrial:
+        """A paired accuracy trial from the current weights, on the gate's data and budget."""
         args = dict(self._gate_args)
         loss_fn, batches = args.pop("loss_fn"), args.pop("batches")
-        trial = AccuracyTrial(self.ddp, loss_fn, batches, self.optimizer, group=self.group, arms_expected=3,
-                              judge_unpowered=True, **args)
+        return AccuracyTrial(self.ddp, loss_fn, batches, self.optimizer, group=self.group, **args, **settings)
+
+    def _retrial(self, plan: Plan):
+        """The paired trial again, from the current weights: fp32 twice and ``plan`` (judged even unpowered)."""
+        trial = self._trial(arms_expected=3, judge_unpowered=True)
         trial.start()
         kind = gate.CANDIDATE if is_lossy(plan) else gate.SIXTEEN_BIT
         arm = trial.trial("the plan in use", plan, kind, f"the plan in use ({plan.digest()})")
