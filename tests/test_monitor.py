@@ -117,7 +117,8 @@ def test_a_periodic_re_trial_backs_off_a_plan_shown_behind_fp32_and_clears_one_t
     for label in out[0]:
         assert out[0][label]["final"] == out[1][label]["final"], label  # every rank backed off alike
     (step, gap, status), = harmful["retrials"]
-    assert step == 120 and status == "rejected" and gap > 0.5
+    # harm shown beyond the 1% tolerance; how far it reads when the trial stops early varies (0.26-1.38 seen)
+    assert step == 120 and status == "rejected" and gap > 0.01
     at, backoff = next((s, d) for s, w, d in harmful["events"] if w == "back-off")
     assert at == 120 and "randomk(ratio=0.001, no-ef) ->" in backoff and "re-trial showed it" in backoff
     assert cast["retrials"][0][2] == "accepted" and "back-off" not in [w for _, w, _ in cast["events"]]
