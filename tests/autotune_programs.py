@@ -349,7 +349,8 @@ def monitored_steps(rank: int, world_size: int, label: str, window: int):
 
 def retrialled_digits(rank: int, world_size: int, labels: list[str], steps: int):
     """The digits CNN under ``wrap(plan=...)`` with the accuracy gate's data and re-trials taking up to
-    all of the training time (so the first comes at step 120): each plan's re-trials, events and final plan."""
+    all of the training time (a trial of 100 steps an arm, so the first comes at step 300): each plan's
+    re-trials, events and final plan."""
     from advisor.runtime import Plan
     from advisor.testbed.workloads import digits, shard
 
@@ -361,8 +362,8 @@ def retrialled_digits(rank: int, world_size: int, labels: list[str], steps: int)
         opt = workload.optimizer()
         batches = list(shard(workload.batches, rank, world_size))
         tuner = advisor.wrap(ddp, opt, plan=Plan.uniform(label, warmup_steps=0), loss_fn=workload.loss_fn,
-                             batches=batches, evaluate=workload.evaluate, expected_steps=6000, retrial_share=1.0,
-                             fidelity_sample=0, backoff=None, watch_every=10**6,
+                             batches=batches, evaluate=workload.evaluate, expected_steps=6000, trial_share=0.05,
+                             retrial_share=1.0, fidelity_sample=0, backoff=None, watch_every=10**6,
                              candidates=["none", "fp16", "bf16", "randomk(ratio=0.001, no-ef)"])
         for i in range(steps):
             opt.zero_grad()

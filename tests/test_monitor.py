@@ -112,15 +112,15 @@ def test_a_reading_describes_itself_with_its_numbers():
 def test_a_periodic_re_trial_backs_off_a_plan_shown_behind_fp32_and_clears_one_that_is_not():
     from autotune_programs import retrialled_digits
 
-    out = launch_local(retrialled_digits, 2, (["randomk(ratio=0.001, no-ef)", "bf16", "none"], 200), timeout=600)
+    out = launch_local(retrialled_digits, 2, (["randomk(ratio=0.001, no-ef)", "bf16", "none"], 310), timeout=600)
     harmful, cast, fp32 = (out[0][label] for label in ("randomk(ratio=0.001, no-ef)", "bf16", "none"))
     for label in out[0]:
         assert out[0][label]["final"] == out[1][label]["final"], label  # every rank backed off alike
     (step, gap, status), = harmful["retrials"]
-    # harm shown beyond the 1% tolerance; how far it reads when the trial stops early varies (0.26-1.38 seen)
-    assert step == 120 and status == "rejected" and gap > 0.01
+    # the plan learns nothing while fp32 leaves its plateau: far behind, by however much its early stop reads
+    assert step == 300 and status == "rejected" and gap > 0.5
     at, backoff = next((s, d) for s, w, d in harmful["events"] if w == "back-off")
-    assert at == 120 and "randomk(ratio=0.001, no-ef) ->" in backoff and "re-trial showed it" in backoff
+    assert at == 300 and "randomk(ratio=0.001, no-ef) ->" in backoff and "re-trial showed it" in backoff
     assert cast["retrials"][0][2] == "accepted" and "back-off" not in [w for _, w, _ in cast["events"]]
     assert "next at step" in next(d for _, w, d in cast["events"] if w == "re-trial")
     assert fp32["retrials"] == []  # plan none: nothing to re-trial

@@ -304,13 +304,13 @@ class AccuracyTrial:
             # evaluate about a dozen times per doubling of the trial, and spend at most about a
             # fifth of the trial's time evaluating
             chunk = max(1, math.ceil(step / 12), math.ceil(4 * eval_s / max(step_s, 1e-9)))
-            if step + chunk > self.max_steps:
-                why = f"stopped at max_steps={self.max_steps}, not powered: it could detect {noise.detectable:.2%}"
+            # the last chunk is cut to what the budget leaves: stopping short would waste up to a
+            # third of it, and how much would depend on the machine's timing
+            room, bound = self._room(t0, step)
+            if room < 1:
+                why = f"stopped after {step} steps at {bound}, not powered: it could detect {noise.detectable:.2%}"
                 break
-            over = self._over_budget(t0, step, chunk)
-            if over:
-                why = f"stopped after {step} steps at {over}, not powered: it could detect {noise.detectable:.2%}"
-                break
+            chunk = min(chunk, room)
         kappa, kappa_se = evidence.elasticity(checkpoints, curves[0], self.higher)
         notes = [w for w in [self.stream.warn_if_memorising(step, self.say)] if w]
         if self.stream.distinct == 1:
@@ -338,16 +338,18 @@ class AccuracyTrial:
             return False
         return learned <= 2 * evidence.POWER_Z * self.se_floor or step >= 3 * max(self.min_steps, gate.MIN_PROOF_STEPS)
 
-    def _over_budget(self, t0: float, step: int, chunk: int) -> str:
-        """What the next chunk would overrun (the step or the time budget, over every expected arm), or ""."""
-        upto = step + chunk
-        if self.budget_steps is not None and upto * self.arms_expected > self.budget_steps:
-            return f"the step budget ({self.budget_steps} steps for {self.arms_expected} arms, a share of the run)"
+    def _room(self, t0: float, step: int) -> tuple[int, str]:
+        """How many more steps an arm may train within ``max_steps`` and the step and time budgets
+        (over every expected arm), and which of them bounds it."""
+        rooms = [(self.max_steps - step, f"max_steps={self.max_steps}")]
+        if self.budget_steps is not None:
+            rooms.append((self.budget_steps // self.arms_expected - step,
+                          f"the step budget ({self.budget_steps} steps for {self.arms_expected} arms, a share of the run)"))
         if self.time_budget_s is not None:
-            projected = self._elapsed(t0) / 2 * upto / step * self.arms_expected
-            if projected > self.time_budget_s:
-                return f"the time budget ({self.time_budget_s:g} s for {self.arms_expected} arms)"
-        return ""
+            arm_step_s = self._elapsed(t0) / 2 / step  # both fp32 arms so far, evaluation included
+            rooms.append((math.floor(self.time_budget_s / (self.arms_expected * max(arm_step_s, 1e-9))) - step,
+                          f"the time budget ({self.time_budget_s:g} s for {self.arms_expected} arms)"))
+        return min(rooms, key=lambda room: room[0])
 
     # --- one plan -------------------------------------------------------------------
     def trial(self, label: str, plan: Plan, kind: str = gate.CANDIDATE, description: str = "",
