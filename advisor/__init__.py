@@ -20,12 +20,14 @@ from advisor.testbed.jobs import autotune_model
 from advisor.testbed.validate import ValidationReport
 from advisor.testbed.workloads import Workload
 from advisor.tuning.autotune import autotune
+from advisor.tuning.layout import ddp_for
 from advisor.tuning.online import OnlineTuner, TunerEvent, wrap
 from advisor.tuning.results import AutotuneResult, TunedResult
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ddp_for",
     "AutotuneResult",
     "CompressionHook",
     "FidelityMonitor",

@@ -203,7 +203,8 @@ def whatif_cmd(profile_path, world_size, bandwidth, latency, speedup, budget, re
     for col, justify in columns:
         table.add_column(col, justify=justify)
     for r in found.rows:
-        cells = [r.config, f"{r.predicted_s * 1e3:.1f}", f"{base_s / r.predicted_s:.2f}x",
+        layout = f" [{r.exchange_mb:g} MiB exchanges]" if r.exchange_mb is not None else ""
+        cells = [r.config + layout, f"{r.predicted_s * 1e3:.1f}", f"{base_s / r.predicted_s:.2f}x",
                  f"{r.fidelity_error:.3g}", "yes" if r.within_budget else "no"]
         if trialled:
             cells += [r.trial or "-", f"{r.efficiency:.2f}" if r.efficiency is not None else "-",
@@ -212,6 +213,9 @@ def whatif_cmd(profile_path, world_size, bandwidth, latency, speedup, budget, re
     console = Console(width=max(Console().width, 120 if trialled else 80))
     console.print(table)
     console.print(f"Budget {found.budget:.3g}: {found.budget_source}")
+    if any(r.exchange_mb is not None for r in found.rows):
+        console.print("[n MiB exchanges]: DDP's buckets exchanged together up to n MiB (Plan.exchange_mb), "
+                      "predicted faster than DDP's own buckets; build DDP with bucket_cap_mb=n to skip the join")
     console.print(found.verdict)
 
 

@@ -66,15 +66,18 @@ class TuningProblem:
         scenario: Scenario | None = None,
         overlap: float = 1.0,
         fidelity_measure: str | None = None,
+        exchange_mb: float | None = None,
     ) -> TuningProblem:
         """Candidates default to the baselines plus every config the profile measured.
 
         Every candidate needs a kernel cost in the profile and, unless it is lossless
         (``none``), a fidelity entry for every bucket; the error names what is missing.
         ``fidelity_measure``: ``"gradient"`` (default) or ``"update"`` (where measured).
+        ``exchange_mb``: the bucket layout (:class:`advisor.runtime.Plan`); the problem's
+        buckets are then the groups of DDP buckets exchanged together.
         """
         measure = _fidelity_measure(profile, fidelity_measure)
-        model = PerformanceModel(profile, scenario, overlap=overlap)
+        model = PerformanceModel(profile, scenario, overlap=overlap, exchange_mb=exchange_mb)
         labels = _candidate_labels(profile, candidates)
         costs = model.candidate_costs(labels)
         errors = _error_matrix(profile, model, costs.configs, measure)
@@ -100,6 +103,20 @@ class TuningProblem:
                 raise ValueError(f"budget={budget!r}; allowed: a finite relative error >= 0")
             problem.budget = float(budget)
         return problem
+
+    def with_layout(self, exchange_mb: float | None) -> TuningProblem:
+        """The same problem (candidates, budget, correction) under another bucket layout."""
+        model = self.model.with_layout(exchange_mb)
+        errors = _error_matrix(model.profile, model, self.configs, self.fidelity_measure)
+        numel = np.array([b.numel for b in model.buckets], dtype=np.float64)
+        return TuningProblem(model, model.candidate_costs(self.configs), errors, numel / numel.sum(),
+                             budget=self.budget, reference=self.reference, correction=self.correction,
+                             parameter_names=[list(b.parameters) for b in model.buckets],
+                             fidelity_measure=self.fidelity_measure, kernel_forms=dict(self.kernel_forms))
+
+    @property
+    def exchange_mb(self) -> float | None:
+        return self.model.exchange_mb
 
     # --- plans as index vectors -----------------------------------------------------
     @property
@@ -153,7 +170,8 @@ class TuningProblem:
             if label != "none":
                 for name in names:
                     assignments[name] = label
-        return Plan.from_assignments(assignments, **{"kernel_forms": self.kernel_forms, **kwargs})
+        return Plan.from_assignments(assignments, **{"kernel_forms": self.kernel_forms,
+                                                     "exchange_mb": self.exchange_mb, **kwargs})
 
     def choices_for(self, plan: Plan) -> np.ndarray:
         """The index vector of ``plan`` (each bucket takes its first parameter's config)."""
@@ -212,12 +230,18 @@ def _error_matrix(profile, model: PerformanceModel, labels: Sequence[str], measu
                   for e in profile.fidelity.entries}
     for j, label in enumerate(labels):
         lossless = label == "none"
-        for i, bucket in enumerate(model.buckets):
-            value = 0.0 if lossless else by_key.get((bucket.index, label))
-            if value is None:
-                raise ValueError(
-                    f"the profile has no fidelity measurement of {label!r} on bucket {bucket.index}; "
-                    f"profile with it among the candidate configs (advisor profile --configs ...)"
-                )
-            errors[i, j] = value
+        for i, members in enumerate(model.members):
+            # buckets exchanged together: each keeps its own compression (per matrix, per block),
+            # so their error is the size-weighted mean of theirs
+            values = []
+            for bucket in members:
+                value = 0.0 if lossless else by_key.get((bucket.index, label))
+                if value is None:
+                    raise ValueError(
+                        f"the profile has no fidelity measurement of {label!r} on bucket {bucket.index}; "
+                        f"profile with it among the candidate configs (advisor profile --configs ...)"
+                    )
+                values.append(value)
+            sizes = [b.numel for b in members]
+            errors[i, j] = float(np.dot(values, sizes) / max(sum(sizes), 1))
     return errors

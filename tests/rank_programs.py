@@ -287,3 +287,34 @@ def hook_lifetime(rank: int, world_size: int):
     gc.collect()
     out["after_collect"] = workers()
     return out
+
+
+def train_counting_messages(rank: int, world_size: int, plan_dict, steps: int):
+    """Train with a plan (None: DDP without a hook); params, losses and the messages the hook sent a step."""
+    model = make_model()
+    ddp = _ddp(model)
+    hook = install(ddp, Plan.from_dict(plan_dict)) if plan_dict is not None else None
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = train(ddp, opt, rank, 0, 2)  # the second step runs DDP's rebuilt buckets
+    sent = hook.channel.messages_sent if hook is not None else 0
+    losses += train(ddp, opt, rank, 2, steps - 2)
+    per_step = (hook.channel.messages_sent - sent) / (steps - 2) if hook is not None else None
+    return {"params": _params(model), "losses": losses, "messages_per_step": per_step,
+            "hook_step": hook.step if hook is not None else None}
+
+
+def built_for_layout(rank: int, world_size: int, plan_dict, steps: int):
+    """``advisor.ddp_for`` with a plan that exchanges buckets together: DDP's cap, the plan installed, params."""
+    import advisor
+
+    model = make_model()
+    ddp, hook = advisor.ddp_for(model, Plan.from_dict(plan_dict))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = train(ddp, opt, rank, 0, steps)
+    refused = ""
+    try:
+        advisor.ddp_for(make_model(), Plan.from_dict(plan_dict), bucket_cap_mb=25)
+    except ValueError as exc:
+        refused = str(exc)
+    return {"params": _params(model), "losses": losses, "bucket_bytes_cap": ddp.bucket_bytes_cap,
+            "installed_exchange_mb": hook.plan.exchange_mb, "refused": refused}

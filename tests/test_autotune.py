@@ -68,6 +68,8 @@ def test_autotune_compresses_on_a_slow_link_and_installs_the_plan():
     assert r.accuracy is None and "accuracy_trial=False" in r.accuracy_unproven
     assert r.speedup["measured_vs_fp32"] > 1.5 and r.speedup["measured_vs_16bit"] > 1.0
     assert out[0]["hook_steps"] == 6  # installed on the user's model, ran the 6 training steps
+    assert r.layouts[0].startswith("DDP's ") and len(r.layouts) >= 2  # coarser bucket layouts were searched too
+    assert r.plan_object().exchange_mb == r.exchange_mb == r.bucket_cap_mb
     watched = out[0]["watched"]  # result.watch: the installed plan, read after its first fidelity window
     assert watched[0] == "watch" and "fidelity" in watched and "back-off" not in watched
     assert all(o["unchanged"] for o in out)

@@ -154,3 +154,28 @@ def test_the_hook_releases_itself_after_a_with_block_when_its_model_is_collected
         assert out["before"] == 0 and out["inside_with"] == 1 and out["after_with"] == 0, out
         assert out["running"] == 1 and out["after_collect"] == 0, out
         assert out["pickled_hook"] is None  # a result sent to another process carries data only
+
+
+def test_buckets_exchanged_together_give_the_same_result_in_fewer_messages():
+    plain = launch_local(rp.train_counting_messages, 2, (None, 6), timeout=120)[0]
+    for spec in ("none", "fp16"):
+        apart = Plan.uniform(spec, warmup_steps=0)
+        joint = Plan.uniform(spec, warmup_steps=0, exchange_mb=1.0)  # the whole model in one exchange
+        apart = launch_local(rp.train_counting_messages, 2, (apart.to_dict(), 6), timeout=120)[0]
+        together = launch_local(rp.train_counting_messages, 2, (joint.to_dict(), 6), timeout=120)[0]
+        assert_same_params(apart["params"], together["params"])  # exact: the same sums, element by element
+        assert together["losses"] == apart["losses"], spec
+        assert apart["messages_per_step"] >= 8 and together["messages_per_step"] == 1, spec
+        if spec == "none":
+            assert_same_params(plain["params"], together["params"])  # still DDP's own result, bitwise
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_mixed_plan_exchanged_in_pairs_of_buckets_runs_in_lockstep(world):
+    plan = Plan.from_assignments(rp.MIXED, warmup_steps=2, exchange_mb=0.008)  # about two buckets an exchange
+    results = launch_local(rp.train_counting_messages, world, (plan.to_dict(), 12), timeout=180)
+    assert results[0]["hook_step"] == 12
+    for other in results[1:]:
+        assert_same_params(results[0]["params"], other["params"])
+        assert other["messages_per_step"] == results[0]["messages_per_step"]
+    assert all(torch.isfinite(torch.tensor(results[0]["losses"])))

@@ -6,6 +6,7 @@ import pytest
 
 from advisor.compressors import CompressorConfig
 from advisor.runtime import Plan, PlanGroup
+from advisor.runtime.plan import exchange_groups
 
 
 def mixed() -> Plan:
@@ -39,6 +40,23 @@ def test_the_digest_ignores_metadata_but_not_what_goes_on_the_wire():
     assert c.digest() != a.digest()
 
 
+def test_a_bucket_layout_goes_on_the_wire_and_round_trips_and_plans_without_one_keep_their_digest():
+    plan = mixed()
+    assert "exchange_mb" not in plan.to_dict()  # the digest of every plan made before layouts is unchanged
+    merged = Plan.from_dict({**plan.to_dict(), "exchange_mb": 16})
+    assert merged.exchange_mb == 16.0 and Plan.from_dict(merged.to_dict()) == merged
+    assert merged.digest() != plan.digest()
+
+
+def test_buckets_are_exchanged_together_until_they_hold_the_layouts_size_and_the_last_ends_a_group():
+    mib = 1 << 20
+    sizes = [1 * mib, 3 * mib, 5 * mib, 1 * mib, 1 * mib]
+    assert exchange_groups(sizes, None) == [[0], [1], [2], [3], [4]]
+    assert exchange_groups(sizes, 4) == [[0, 1], [2], [3, 4]]
+    assert exchange_groups(sizes, 1000) == [[0, 1, 2, 3, 4]]
+    assert exchange_groups(sizes, 0.5) == [[0], [1], [2], [3], [4]]
+
+
 def test_runs_split_a_bucket_where_the_compressor_changes():
     plan = mixed()
     runs = plan.runs(["fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight"], [(10,), (10, 5), (5,), (5, 3)])
@@ -64,6 +82,8 @@ def test_names_missing_from_the_model_are_listed_with_a_hint():
         ({"groups": [{"parameters": ["a"]}]}, "plan group 0 must be an object with 'parameters' and 'compressor'"),
         ({"groups": [{"parameters": ["a"], "compressor": {"name": "topk", "params": {"ratio": 2}}}]},
          "plan group 0 \\(a\\): topk: ratio=2.0 is invalid; allowed: a number in \\(0, 1\\]"),
+        ({"exchange_mb": 0}, "exchange_mb=0; allowed: a size in MiB > 0"),
+        ({"exchange_mb": "big"}, "exchange_mb='big'; allowed: a size in MiB > 0"),
         ({"groups": [{"parameters": ["a"], "compressor": {"name": "fp16"}},
                      {"parameters": ["a"], "compressor": {"name": "bf16"}}]},
          "parameter 'a' is in plan groups 0 and 1"),

@@ -44,7 +44,7 @@ import numpy as np
 from advisor.compressors import Collective, SegmentLayout, parse
 from advisor.compressors.registry import CompressorConfig
 from advisor.perfmodel.timeline import BucketSpan, Timeline
-from advisor.runtime.plan import Plan
+from advisor.runtime.plan import Plan, check_exchange_mb, exchange_groups
 
 
 @dataclass(frozen=True)
@@ -148,6 +148,15 @@ class NetworkModel:
         return latency + nbytes * per_byte + summing
 
 
+@dataclass(frozen=True)
+class ExchangeUnit:
+    """DDP buckets the layout exchanges together, seen as one bucket (named by the first one's index)."""
+
+    index: int
+    parameters: list[str]
+    numel: int
+
+
 @dataclass
 class CandidateCosts:
     """Per bucket (rows) and config (columns): encode, comm, decode seconds, wire bytes."""
@@ -165,9 +174,11 @@ class PerformanceModel:
     """Predict iteration timelines from a :class:`profilers.profile.ClusterProfile`."""
 
     def __init__(self, profile, scenario: Scenario | None = None, overlap: float = 1.0,
-                 round_s: float | None = None) -> None:
+                 round_s: float | None = None, exchange_mb: float | None = None) -> None:
         """``round_s``: cost of a message round beyond the network fit; by default what
-        the profile measured (0 for profiles from before that measurement)."""
+        the profile measured (0 for profiles from before that measurement).  ``exchange_mb``:
+        the bucket layout (:class:`advisor.runtime.Plan`): DDP's buckets are exchanged in
+        groups of that size, and the model's units (``buckets``) are those groups."""
         self.profile = profile
         self.scenario = scenario or Scenario()
         if not overlap > 0:
@@ -189,17 +200,27 @@ class PerformanceModel:
         self.cpu_interference = str(profile.environment.device).startswith("cpu")
         ready = {p.name: p.ready_s / speed for p in compute.parameters}
         shapes = {p.name: tuple(p.shape) for p in compute.parameters}
-        self.buckets = sorted(compute.buckets, key=lambda b: max(ready[n] for n in b.parameters))
+        # DDP hands buckets over in the order their gradients become ready (after its rebuild)
+        ddp_buckets = sorted(compute.buckets, key=lambda b: max(ready[n] for n in b.parameters))
+        self.exchange_mb = check_exchange_mb(exchange_mb)
+        #: the DDP buckets behind each unit the model replays (one each, unless the layout merges them)
+        self.members = [[ddp_buckets[i] for i in group]
+                        for group in exchange_groups([b.numel * 4 for b in ddp_buckets], self.exchange_mb)]
+        self.buckets = [m[0] if len(m) == 1 else ExchangeUnit(m[0].index, [n for b in m for n in b.parameters],
+                                                              sum(b.numel for b in m)) for m in self.members]
         self.layouts = [SegmentLayout(tuple(b.parameters), tuple(shapes[n] for n in b.parameters)) for b in self.buckets]
         self.ready_s = np.array([max(ready[n] for n in b.parameters) for b in self.buckets])
         self.forward_s = compute.forward_s / speed
         self.backward_s = compute.backward_s / speed
         self.optimizer_s = compute.optimizer_s / speed
         # DDP's own passes with a comm hook: each gradient is copied into its bucket as it
-        # becomes ready (on the backward thread) and the averaged bucket back afterwards
+        # becomes ready (on the backward thread) and the averaged bucket back afterwards;
+        # buckets exchanged together are also copied into one buffer and their results back
         copy = compute.copy_s_per_byte / speed
-        self.copy_in_s = np.array([b.numel * 4 * copy for b in self.buckets])
-        self.copy_out_s = float(self.copy_in_s.sum())
+        self.copy_in_s = np.array([b.numel * 4 * copy * (1 if len(m) == 1 else 3)
+                                   for b, m in zip(self.buckets, self.members)])
+        self.copy_out_s = float(sum(b.numel * 4 * copy for b in self.buckets))
+        self._siblings: dict[float | None, PerformanceModel] = {self.exchange_mb: self}
 
     # --- costs ----------------------------------------------------------------------
     def _kernel_seconds(self, config: CompressorConfig, numel: int) -> tuple[float, float]:
@@ -289,8 +310,21 @@ class PerformanceModel:
     def compute_only_s(self) -> float:
         return self.forward_s + self.backward_s + self.optimizer_s
 
+    def with_layout(self, exchange_mb: float | None) -> PerformanceModel:
+        """This model (calibration included) under another bucket layout."""
+        exchange_mb = check_exchange_mb(exchange_mb)
+        sibling = self._siblings.get(exchange_mb)
+        if sibling is None or (sibling.overlap, sibling.round_s) != (self.overlap, self.round_s):
+            sibling = PerformanceModel(self.profile, self.scenario, self.overlap, self.round_s, exchange_mb)
+            sibling._siblings = self._siblings
+            self._siblings[exchange_mb] = sibling
+        return sibling
+
     def predict(self, plan: Plan) -> Timeline:
-        """The timeline of one plan (parameters of one bucket may use different configs)."""
+        """The timeline of one plan (parameters of one bucket may use different configs), under
+        the plan's own bucket layout."""
+        if plan.exchange_mb != self.exchange_mb:
+            return self.with_layout(plan.exchange_mb).predict(plan)
         enc = np.zeros((1, len(self.layouts)))
         comm, dec, cpu = np.zeros_like(enc), np.zeros_like(enc), np.zeros_like(enc)
         labels, wires = [], []

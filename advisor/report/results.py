@@ -43,8 +43,21 @@ def render_result(result, console: Console | None = None) -> None:
         f"({result.policy}, {result.policy_evaluations} plans predicted), live measurement "
         f"{result.seconds.get('measure', 0):.1f} s; total {result.seconds.get('total', 0):.1f} s"
     )
+    if result.layouts:
+        render_layouts(result, console)
     if result.buckets:
         render_buckets(result.buckets, console)
+
+
+def render_layouts(result, console) -> None:
+    """The bucket layouts searched, the one the advice runs, and how to build DDP for it."""
+    console.print("Bucket layouts searched (best predicted plan each): " + "; ".join(result.layouts))
+    if result.exchange_mb is None:
+        console.print("Layout of the advice: DDP's own buckets")
+    else:
+        console.print(f"Layout of the advice: DDP's buckets exchanged together up to {result.exchange_mb:g} MiB "
+                      f"(one joining copy each); DDP built with bucket_cap_mb={result.bucket_cap_mb:g} makes "
+                      "these buckets itself: advisor.ddp_for(module, result)")
 
 
 def _bounded(value, low, high) -> str:

@@ -6,13 +6,22 @@ state object.  For each bucket the hook splits the bucket's flat buffer into seg
 consecutive parameters that share a compressor, and hands one job to the process's
 ordered channel (see ``channel.py``): per segment, what crosses the wire is whatever that
 segment's compressor sends, plus one flag element (see ``segment.py``).
+
+Where the plan has a bucket layout (``Plan.exchange_mb``), the hook holds buckets back
+and hands them over as one job once they hold that many MiB (or at the iteration's last
+bucket): their buffers are copied side by side, so a compressor makes one round for all
+of them (PowerSGD one P and one Q all-reduce), and each bucket's part of the result is
+copied back into its own buffer.  Every rank sees the same buckets in the same order, so
+every rank forms the same groups.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +62,9 @@ class CompressionHook:
         self._residuals = ResidualStore()
         self._layouts: dict[tuple[int, ...], list[tuple[SegmentLayout, CompressorConfig, int]]] = {}
         self._workspaces: dict[tuple[str, ...], dict] = {}
+        #: buckets the plan's layout holds back for a joint exchange: (buffer, parameters, DDP's future)
+        self._held: list[tuple[torch.Tensor, list, torch.futures.Future]] = []
+        self._held_bytes = 0
         #: residuals of parameters whose new config has no error feedback, delivered
         #: (added to the gradient) on their next step so no update is lost
         self._pending: dict[str, torch.Tensor] = {}
@@ -85,32 +97,65 @@ class CompressionHook:
             comp = self._compressors[config] = config.build()
         return comp
 
-    def segments(self, bucket) -> list[tuple[SegmentLayout, CompressorConfig, int]]:
+    def segments(self, parameters) -> list[tuple[SegmentLayout, CompressorConfig, int]]:
         """Runs of consecutive parameters with the same compressor, with their offsets."""
-        params = bucket.parameters()
-        key = tuple(id(p) for p in params)
+        key = tuple(id(p) for p in parameters)
         cached = self._layouts.get(key)
         if cached is not None:
             return cached
-        names = [self._names.get(id(p)) for p in params]
+        names = [self._names.get(id(p)) for p in parameters]
         if None in names:
             raise RuntimeError("a DDP bucket holds a parameter the hook was not installed with")
         result, offset = [], 0
-        for run_names, run_shapes, config in self.plan.runs(names, [tuple(p.shape) for p in params]):
+        for run_names, run_shapes, config in self.plan.runs(names, [tuple(p.shape) for p in parameters]):
             layout = SegmentLayout(tuple(run_names), tuple(run_shapes))
             result.append((layout, config, offset))
             offset += layout.numel
         self._layouts[key] = result
         return result
 
-    def make_job(self, bucket) -> Job:
+    def take_bucket(self, bucket) -> tuple[Job | None, torch.futures.Future]:
+        """The job to hand to the channel now (None while the plan's layout holds ``bucket``
+        back for a joint exchange), and the future DDP waits on for ``bucket``."""
         buffer = bucket.buffer()
+        last = bucket.is_last()
         if buffer.is_sparse:
-            return self._sparse_job(bucket, buffer)
+            # a sparse bucket crosses alone; buckets held before it go first, in the same order on every rank
+            held = self._flush_held(last=False)
+            job = self._sparse_job(buffer, last)
+            return job if held is None else _Both(held, job), job.future
+        if self.plan.exchange_mb is None and not self._held:
+            job = self._dense_job(buffer, bucket.parameters(), last)
+            return job, job.for_ddp if job.for_ddp is not None else job.future
+        waits: torch.futures.Future = torch.futures.Future()
+        self._held.append((buffer, bucket.parameters(), waits))
+        self._held_bytes += buffer.numel() * buffer.element_size()
+        cap = (self.plan.exchange_mb or 0.0) * (1 << 20)
+        if not last and self._held_bytes < cap:
+            return None, waits
+        return self._flush_held(last), waits
+
+    def _flush_held(self, last: bool) -> Job | None:
+        """One job for the held buckets: their buffers side by side in one (a copy), exchanged as
+        one bucket; each bucket's slice of the result is copied back into its own buffer."""
+        held, self._held, self._held_bytes = self._held, [], 0
+        if not held:
+            return None
+        buffers = [b for b, _, _ in held]
+        joint = buffers[0] if len(held) == 1 else torch.cat(buffers)
+        job = self._dense_job(joint, [p for _, params, _ in held for p in params], last)
+        done = job.for_ddp if job.for_ddp is not None else job.future
+        offset = 0
+        for buffer, _, waits in held:
+            done.add_done_callback(functools.partial(_pass_slice, waits, buffer, offset))
+            offset += buffer.numel()
+        return job
+
+    def _dense_job(self, buffer: torch.Tensor, parameters, last: bool) -> Job:
         fut: torch.futures.Future = torch.futures.Future()
         warming_up = self.step < self.plan.warmup_steps
         exchanges, delivered = [], []
-        for layout, config, offset in self.segments(bucket):
+        for layout, config, offset in self.segments(parameters):
             if warming_up:
                 config = _UNCOMPRESSED
             delivered.append((layout, config, offset))
@@ -134,7 +179,7 @@ class CompressionHook:
                     compressor, grad, layout, self._compressor_state, residuals, ctx, self._count_nonfinite
                 )
             )
-        job = Job(exchanges, fut, buffer, ends_iteration=bucket.is_last())
+        job = Job(exchanges, fut, buffer, ends_iteration=last)
         if self.deliveries:
             # chained, not a done-callback: DDP must not go on before the deliveries were shown
             job.for_ddp = fut.then(lambda done: self._show_deliveries(done.value(), delivered))
@@ -146,14 +191,14 @@ class CompressionHook:
                 show(layout, buffer[offset : offset + layout.numel], config)
         return buffer
 
-    def _sparse_job(self, bucket, grad: torch.Tensor) -> Job:
+    def _sparse_job(self, grad: torch.Tensor, last: bool) -> Job:
         """A sparse gradient (``nn.Embedding(sparse=True)``) crosses uncompressed, as in PyTorch's
         ``allreduce_hook``: DDP gives it a bucket of its own, and the compressors slice dense
         buffers.  gloo all-reduces the coalesced indices and values in place."""
         mean = grad.coalesce()
         if self.world_size > 1:
             mean.mul_(1.0 / self.world_size)
-        return Job([_sparse_sum(mean)], torch.futures.Future(), mean, ends_iteration=bucket.is_last())
+        return Job([_sparse_sum(mean)], torch.futures.Future(), mean, ends_iteration=last)
 
     def _deliver_pending(self, layout: SegmentLayout, grad: torch.Tensor) -> None:
         for name, view in zip(layout.names, layout.views(grad)):
@@ -284,14 +329,40 @@ def compression_hook(state: CompressionHook, bucket):  # no annotations: DDP che
         RuntimeError: through the future, where a collective or a compressor failed; the
             message names the bucket and the step.
     """
-    # make_job encodes here, on the thread that runs backward, as PyTorch's own hooks do:
+    # take_bucket encodes here, on the thread that runs backward, as PyTorch's own hooks do:
     # encoding competes with backward for the device either way, and on CPU a second busy
     # thread per rank only adds contention.  Only the collectives go to the channel.
-    job = state.make_job(bucket)
-    if job.ends_iteration:
-        state.step += 1
-    state._executor.submit(job)
-    return job.for_ddp if job.for_ddp is not None else job.future
+    job, waits = state.take_bucket(bucket)
+    for each in (job.jobs if isinstance(job, _Both) else [job] if job is not None else []):
+        if each.ends_iteration:
+            state.step += 1
+        state._executor.submit(each)
+    return waits
+
+
+@dataclass
+class _Both:
+    """Two jobs handed over at one bucket (held buckets flushed before a sparse one)."""
+
+    held: Job
+    job: Job
+
+    @property
+    def jobs(self) -> list[Job]:
+        return [self.held, self.job]
+
+
+def _pass_slice(waits: torch.futures.Future, buffer: torch.Tensor, offset: int, done: torch.futures.Future) -> None:
+    """Complete a held bucket's future with its slice of the joint result, copied back into the
+    bucket's own buffer (DDP reads a hook's result at the bucket's offsets from the start of the
+    tensor's storage, so a slice of a larger tensor cannot be handed over); or with the failure."""
+    try:
+        result = done.value()
+        if result.data_ptr() != buffer.data_ptr():
+            buffer.copy_(result[offset : offset + buffer.numel()])
+        waits.set_result(buffer)
+    except Exception as exc:  # the exchange failed: every held bucket's future carries why
+        waits.set_exception(exc)
 
 
 def _sparse_sum(grad: torch.Tensor):

@@ -1,14 +1,20 @@
-"""The compression plan: which compressor each group of parameters uses.
+"""The compression plan: which compressor each group of parameters uses, and how buckets are exchanged.
 
 Groups are named by parameter name (``model.named_parameters()`` of the module DDP wraps),
 never by bucket index, so a plan survives DDP's bucket rebuild after iteration 0 and a
 change of bucket size.  Parameters in no group use ``default``.
+
+``exchange_mb`` is the bucket layout: consecutive DDP buckets are held back and exchanged
+together until they hold at least that many MiB (the iteration's last bucket ends any
+group), so a compressor makes one round where DDP's buckets would make several.  It is
+a size, not a list of buckets, for the same reason groups are names.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,10 +61,14 @@ class Plan(JsonDocument):
     #: the kernel form of each choice the device runs faster (:mod:`advisor.compressors.forms`);
     #: absent choices run their default form.  Forms round differently, so they are in the digest.
     kernel_forms: dict[str, str] = field(default_factory=dict)
+    #: the bucket layout: consecutive DDP buckets are exchanged together until they hold this
+    #: many MiB (None: each bucket on its own, as DDP made them); see the module docstring
+    exchange_mb: float | None = None
 
     def __post_init__(self) -> None:
         self.default = parse(self.default)
         self.kernel_forms = check_forms(self.kernel_forms)
+        self.exchange_mb = check_exchange_mb(self.exchange_mb)
         self.groups = [g if isinstance(g, PlanGroup) else PlanGroup(**g) for g in self.groups]
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"plan warmup_steps={self.warmup_steps!r}; allowed: an integer >= 0")
@@ -83,7 +93,7 @@ class Plan(JsonDocument):
         Args:
             compressor: a config in any form :func:`advisor.parse` reads (``"fp16"``, ...).
             **kwargs: more fields: ``warmup_steps`` (uncompressed steps first; default 10),
-                ``seed``, ``metadata``, ``kernel_forms``.
+                ``seed``, ``metadata``, ``kernel_forms``, ``exchange_mb``.
 
         Raises:
             ValueError: an unreadable or invalid config, naming the allowed ones.
@@ -163,13 +173,15 @@ class Plan(JsonDocument):
             ],
             "metadata": self.metadata,
             **({"kernel_forms": dict(sorted(self.kernel_forms.items()))} if self.kernel_forms else {}),
+            **({"exchange_mb": self.exchange_mb} if self.exchange_mb is not None else {}),
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
         cls.check_header(data)
         version = data["version"]
-        extra = set(data) - {"kind", "version", "default", "warmup_steps", "seed", "groups", "metadata", "kernel_forms"}
+        extra = set(data) - {"kind", "version", "default", "warmup_steps", "seed", "groups", "metadata", "kernel_forms",
+                                "exchange_mb"}
         if extra:
             raise ValueError(f"plan has unknown field(s) {sorted(extra)}")
         groups = []
@@ -191,6 +203,7 @@ class Plan(JsonDocument):
             metadata=dict(data.get("metadata", {})),
             version=version,
             kernel_forms=data.get("kernel_forms", {}),
+            exchange_mb=data.get("exchange_mb"),
         )
 
     def digest(self) -> str:
@@ -198,6 +211,35 @@ class Plan(JsonDocument):
         d = self.to_dict()
         d.pop("metadata")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_exchange_mb(exchange_mb: Any) -> float | None:
+    """``exchange_mb`` as a float, or None; raises ValueError naming the allowed values."""
+    if exchange_mb is None:
+        return None
+    if isinstance(exchange_mb, bool) or not isinstance(exchange_mb, (int, float)) or not (
+            math.isfinite(exchange_mb) and exchange_mb > 0):
+        raise ValueError(f"plan exchange_mb={exchange_mb!r}; allowed: a size in MiB > 0 (consecutive DDP buckets "
+                         "are exchanged together until they hold that much), or None (each bucket on its own)")
+    return float(exchange_mb)
+
+
+def exchange_groups(bucket_bytes: Sequence[int], exchange_mb: float | None) -> list[list[int]]:
+    """Which consecutive buckets (indices into ``bucket_bytes``, in the order DDP hands them
+    over) are exchanged together under ``exchange_mb``; the hook forms the same groups as the
+    buckets arrive, and the performance model prices them."""
+    if exchange_mb is None:
+        return [[i] for i in range(len(bucket_bytes))]
+    cap = exchange_mb * (1 << 20)
+    groups: list[list[int]] = []
+    held, size = [], 0
+    for i, nbytes in enumerate(bucket_bytes):
+        held.append(i)
+        size += nbytes
+        if size >= cap or i == len(bucket_bytes) - 1:
+            groups.append(held)
+            held, size = [], 0
+    return groups
 
 
 def _describe(names: Any) -> str:

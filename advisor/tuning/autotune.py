@@ -26,6 +26,7 @@ batches (a list, or the DataLoader itself: batches are drawn as they are needed)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -60,6 +61,7 @@ from advisor.tuning.steps import (
     fidelity_error,
     final_plan,
     search,
+    search_layouts,
     shared_profile,
     short_list,
     sixteen_bit_baseline,
@@ -129,6 +131,7 @@ def autotune(
     group=None,
     progress: Callable[[str], None] | None = None,
     where: str = "",
+    search_layout: bool = True,
 ) -> TunedResult:
     """Find, prove and install the best plan for this model on this cluster; every rank calls it.
 
@@ -170,6 +173,9 @@ def autotune(
         residual_model: a fitted :class:`policies.learned.ResidualModel` (or the path of a
             measurement set) that corrects predictions when ranking.
         measurements_path: append this run's live measurements to that measurement set file.
+        search_layout: also search coarser bucket layouts (DDP's buckets exchanged together,
+            ``Plan.exchange_mb``); the result's ``bucket_cap_mb`` then says how to build DDP
+            for it without the hook's extra copy (:func:`advisor.ddp_for`).
 
     Returns:
         A :class:`TunedResult`: the :class:`AutotuneResult` document (``result.to_json()``,
@@ -224,11 +230,20 @@ def autotune(
     # 2. search (rank 0)
     say(f"searching plans ({chosen_policy.name})")
     found = search(chosen_policy, problem, group)
+    # and under coarser bucket layouts, where merging DDP's buckets into fewer exchanges pays
+    layout_problem, layout_found, layout_lines = (search_layouts(chosen_policy, problem, found, group)
+                                                  if search_layout else (problem, found, []))
+    for line in layout_lines:
+        say(f"bucket layout: {line}")
     t_searched = time.perf_counter()
 
-    # 3. short-list: the search's best, a diverse uniform plan, and the baselines
+    # 3. short-list: the search's best, a diverse uniform plan, and the baselines (on DDP's own
+    # buckets); where a coarser layout won, DDP's own buckets' best plan races beside its plans
+    candidates = short_list(layout_problem, layout_found, top, diverse=True)
+    if layout_problem is not problem:
+        candidates += short_list(problem, found, 1)
     arms = {arm.label: arm for arm in baseline_arms(problem, sixteen)
-            + short_list(problem, found, top, diverse=True, label=lambda i, _: f"candidate {i}")}
+            + [dataclasses.replace(arm, label=f"candidate {i}") for i, arm in enumerate(candidates, 1)]}
 
     # 4. measure them live, interleaved, on a shadow copy
     t_measuring = time.perf_counter()
@@ -256,7 +271,7 @@ def autotune(
     hook = install(ddp_model, final, group=group) if install_plan and decision.kind != FP32 else None
 
     verdicts = trial.verdicts() if trial is not None else {}
-    result = _result(problem, found, top, decision, measured, rounds_s, arms, final, profile, where,
+    result = _result(problem, found, top, decision, measured, rounds_s, arms, final, profile, where, layout_lines,
                      trial.report(problem.budget, budget_source) if trial is not None else None, budget_source,
                      plan_evidence(measured, decision, verdicts),
                      "" if accuracy_trial else "accuracy_trial=False: decided on speed per step alone",
@@ -413,6 +428,7 @@ def _earn_budget(problem, trial: LazyTrial, lossy: Sequence[str], sixteen: str |
 
 
 def _result(problem, found, top: int, decision, measured, rounds_s, arms: dict[str, Arm], final, profile, where: str,
+            layout_lines: list[str],
             accuracy, budget_source: str, evidence, unproven: str, seconds: dict[str, float]) -> AutotuneResult:
     """The result document: what was searched, measured, trialled and chosen, and what it cost."""
     where = where or profile.environment.note or "this cluster"
@@ -435,7 +451,7 @@ def _result(problem, found, top: int, decision, measured, rounds_s, arms: dict[s
         predicted_s={**{label: arm.predicted_s for label, arm in arms.items()}, "compute_only": problem.model.compute_only_s},
         measured=measured,
         speedup=speedup,
-        fidelity_error=fidelity_error(problem, chosen.choices),
+        fidelity_error=fidelity_error(chosen.problem, chosen.choices),
         fidelity_budget=problem.budget,
         reference=problem.reference,
         policy=found.policy,
@@ -443,8 +459,10 @@ def _result(problem, found, top: int, decision, measured, rounds_s, arms: dict[s
         seconds=seconds,
         world_size=profile.environment.world_size,
         where=where,
-        buckets=bucket_rows(problem, chosen.choices),
+        buckets=bucket_rows(chosen.problem, chosen.choices),
         searched_top=[problem.describe(c) for c in found.top(top)],
+        layouts=layout_lines,
+        exchange_mb=final.exchange_mb,
         measurements=_measurements(problem, arms, rounds_s, where),
         accuracy=accuracy,
         budget_source=budget_source,
@@ -468,10 +486,10 @@ def _measurements(problem, arms: dict[str, Arm], rounds_s, where):
     """Model features, uncorrected prediction and measured median of every live plan."""
     data = MeasurementSet()
     for label, rounds in rounds_s.items():
-        choices = arms[label].choices[None, :]
+        arm = arms[label]
+        choices, problem = arm.choices[None, :], arm.problem or problem
         predicted = float(problem.model.predict_many(choices, problem.costs)[0])
-        data.add(where, arms[label].description, plan_features(problem, choices)[0], predicted,
-                 statistics.median(rounds))
+        data.add(where, arm.description, plan_features(problem, choices)[0], predicted, statistics.median(rounds))
     return data.measurements
 
 

@@ -131,6 +131,10 @@ class AutotuneResult(VersionedDocument):
     evidence: list[PlanEvidence] = field(default_factory=list)
     #: why accuracy was not trialled where the user turned the trial off ("" otherwise)
     accuracy_unproven: str = ""
+    #: the bucket layouts searched (a line each: DDP's own buckets first) and the chosen plan's
+    #: (``exchange_mb``: DDP's buckets exchanged together up to that many MiB; None: DDP's own)
+    layouts: list[str] = field(default_factory=list)
+    exchange_mb: float | None = None
     kind: str = RESULT_KIND
     version: int = RESULT_VERSION
 
@@ -140,6 +144,12 @@ class AutotuneResult(VersionedDocument):
 
     def plan_object(self) -> Plan:
         return Plan.from_dict(self.plan)
+
+    @property
+    def bucket_cap_mb(self) -> float | None:
+        """DDP's ``bucket_cap_mb`` that makes the chosen layout's buckets itself, sparing the hook
+        the copy that joins them (:func:`advisor.ddp_for` builds DDP so); None: keep DDP's own."""
+        return self.exchange_mb
 
     def measured_s(self, label: str) -> float | None:
         for m in self.measured:

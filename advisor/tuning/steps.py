@@ -11,10 +11,11 @@ become everyone's (the search, the decision), rank 0's is broadcast.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ from advisor.compressors.registry import parse
 from advisor.core.collectives import from_rank_zero, rank
 from advisor.core.documents import check_int
 from advisor.runtime import Plan
+from advisor.runtime.plan import exchange_groups
 from advisor.tuning.accuracy import AccuracyTrial, ArmResult, check_tolerance
 from policies import accuracy_gate as gate
 from policies import evidence
@@ -98,6 +100,8 @@ class Arm:
     choices: np.ndarray
     description: str
     predicted_s: float
+    #: the tuning problem ``choices`` index: the bucket layout the plan was searched under
+    problem: TuningProblem | None = field(default=None, repr=False, compare=False)
 
 
 # --- 1. profile ---------------------------------------------------------------------------
@@ -111,6 +115,47 @@ def search(policy: Policy, problem: TuningProblem, group=None) -> PolicyResult:
     """Rank 0 searches (the policy may be random); every rank gets its result."""
     found = policy.search(problem) if rank(group) == 0 else None
     return from_rank_zero(found, group)
+
+
+#: bucket layouts tried beside DDP's own buckets (MiB exchanged together; the whole model in one
+#: exchange is always tried too)
+LAYOUT_GRID_MB = (4.0, 16.0, 64.0)
+#: a layout that merges buckets must be predicted this much faster than DDP's own to be searched
+#: on: it gives up overlap with backward, which the model may misjudge
+LAYOUT_MARGIN = 0.03
+
+
+def layouts_to_try(problem: TuningProblem) -> list[float]:
+    """The ``exchange_mb`` values that group ``problem``'s buckets differently from DDP and from
+    each other: the grid, then the whole model in one exchange."""
+    sizes = [b.numel * 4 for b in problem.model.buckets]
+    seen = {tuple(map(tuple, exchange_groups(sizes, None)))}
+    out = []
+    for mb in (*LAYOUT_GRID_MB, float(math.ceil(sum(sizes) / (1 << 20)))):
+        groups = tuple(map(tuple, exchange_groups(sizes, mb)))
+        if groups not in seen:
+            seen.add(groups)
+            out.append(mb)
+    return out
+
+
+def search_layouts(policy: Policy, problem: TuningProblem, found: PolicyResult, group=None,
+                   ) -> tuple[TuningProblem, PolicyResult, list[str]]:
+    """The search again under each coarser bucket layout (``problem`` has DDP's own); the layout
+    whose best plan is predicted fastest, by :data:`LAYOUT_MARGIN` over DDP's buckets, and a
+    line per layout tried."""
+    if problem.exchange_mb is not None:
+        raise ValueError("search_layouts starts from DDP's own buckets (a problem without exchange_mb)")
+    best = (problem, found)
+    lines = [f"DDP's {problem.n_buckets} buckets: {found.predicted_s * 1e3:.1f} ms ({problem.describe(found.choices)})"]
+    for mb in layouts_to_try(problem):
+        merged = problem.with_layout(mb)
+        result = search(policy, merged, group)
+        lines.append(f"{mb:g} MiB exchanges ({merged.n_buckets}): {result.predicted_s * 1e3:.1f} ms "
+                     f"({merged.describe(result.choices)})")
+        if result.predicted_s < found.predicted_s * (1 - LAYOUT_MARGIN) and result.predicted_s < best[1].predicted_s:
+            best = (merged, result)
+    return best[0], best[1], lines
 
 
 # --- 3. short-list ------------------------------------------------------------------------
@@ -165,7 +210,7 @@ def _arm(problem: TuningProblem, label: str, kind: str, choices: np.ndarray, des
         plan = problem.plan(choices, warmup_steps=0)
     else:  # a baseline: the cast everywhere, or plan none (fp32 through the hook, online)
         plan = Plan.uniform(label if kind == SIXTEEN_BIT else "none", warmup_steps=0)
-    return Arm(label, kind, plan, choices, description, float(problem.predict(choices[None, :])[0]))
+    return Arm(label, kind, plan, choices, description, float(problem.predict(choices[None, :])[0]), problem)
 
 
 # --- 5. decide ----------------------------------------------------------------------------
@@ -268,7 +313,7 @@ class LazyTrial:
 
     def __init__(self, trial: AccuracyTrial, problem: TuningProblem, say: Callable[[str], None]) -> None:
         self.trial, self.problem, self.say = trial, problem, say
-        self.arms: dict[bytes, Any] = {}
+        self.arms: dict[str, Any] = {}  # by the digest of the plan without its layout
         self.started = False
 
     def ensure_started(self):
@@ -279,16 +324,20 @@ class LazyTrial:
             self.started = True
         return self.trial.report()
 
-    def judge(self, label: str, plan: Plan, choices, kind: str, description: str):
-        key = np.asarray(choices).tobytes()
+    def judge(self, label: str, plan: Plan, choices, kind: str, description: str,
+              problem: TuningProblem | None = None):
+        """``plan``'s verdict (``choices`` index ``problem``, by default the trial's); a plan
+        that differs only in its bucket layout compresses alike and keeps the verdict."""
+        key = dataclasses.replace(plan, exchange_mb=None, warmup_steps=0, metadata={}).digest()
         if key not in self.arms:
             self.ensure_started()
-            self.arms[key] = self.trial.trial(label, plan, kind, description, fidelity_error(self.problem, choices))
+            self.arms[key] = self.trial.trial(label, plan, kind, description,
+                                              fidelity_error(problem or self.problem, choices))
         return self.arms[key]
 
     def judge_arm(self, arm: Arm):
         """The verdict on a raced arm (a 16-bit cast is judged as one)."""
-        return self.judge(arm.label, arm.plan, arm.choices, _trial_kind(arm.kind), arm.description)
+        return self.judge(arm.label, arm.plan, arm.choices, _trial_kind(arm.kind), arm.description, arm.problem)
 
     def verdicts(self) -> dict[str, Any]:
         """Every plan judged so far, by its arm label."""
@@ -308,8 +357,8 @@ def final_plan(problem: TuningProblem, arm: Arm, *, warmup_steps: int, metadata:
     """The plan to train with: the chosen candidate after ``warmup_steps`` uncompressed steps,
     a 16-bit cast from the start, or plan ``none`` marked native (no hook is needed)."""
     if arm.kind == CANDIDATE:
-        return problem.plan(arm.choices, warmup_steps=warmup_steps,
-                            metadata={**metadata, "description": arm.description})
+        return (arm.problem or problem).plan(arm.choices, warmup_steps=warmup_steps,
+                                             metadata={**metadata, "description": arm.description})
     if arm.kind == SIXTEEN_BIT:
         return Plan.uniform(arm.label, warmup_steps=0, metadata=metadata)
     return Plan.uniform("none", warmup_steps=0, metadata={**metadata, "native": True})

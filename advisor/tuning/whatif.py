@@ -13,6 +13,9 @@ accuracy against the best baseline: predicted step speed-up times efficiency, wi
 efficiency's 95% interval (the prediction's own error is not in it).  As in autotune, a
 lossy plan is advised only where the trial accepted it and that lower bound beats the
 best baseline; a faster plan no trial has proven is named, and the advice stays the baseline.
+
+A compressor's row is predicted under the best bucket layout autotune would search (DDP's
+buckets exchanged together, :data:`advisor.tuning.steps.LAYOUT_GRID_MB`), and says which.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from advisor.perfmodel import Scenario
+from advisor.tuning.steps import LAYOUT_MARGIN, layouts_to_try
 from policies import accuracy_gate as gate
 from policies.evidence import Estimate, time_to_accuracy
 from policies.problem import BASELINES, DEFAULT_REFERENCE, TuningProblem
@@ -45,6 +49,9 @@ class WhatIfRow:
     efficiency_se: float | None = None
     to_accuracy: float | None = None
     to_accuracy_low: float | None = None
+    #: the bucket layout ``predicted_s`` is for (None: DDP's own buckets) and the time on DDP's own
+    exchange_mb: float | None = None
+    ddp_buckets_s: float | None = None
 
 
 @dataclass
@@ -117,14 +124,24 @@ def what_if(profile, scenario: Scenario | None = None, *, budget: float | None =
     candidates = [c for c in candidates if c not in unknown]
     problem = TuningProblem.from_profile(profile, candidates, scenario=scenario, **kwargs)
     trialled = _uniform_arms(accuracy)
+    # a compressor may run faster with DDP's buckets exchanged together (as autotune searches);
+    # the baselines stay what they are: DDP's own buckets
+    layouts = [problem.with_layout(mb) for mb in layouts_to_try(problem)]
     rows = []
     for c in problem.configs:
         u = problem.uniform(c)
         arm = trialled.get(c)
-        rows.append(WhatIfRow(c, float(problem.predict(u)[0]), float(problem.fidelity_error(u)[0]),
+        ddp_s = float(problem.predict(u)[0])
+        seconds, exchange_mb = ddp_s, None
+        for merged in layouts if c not in BASELINES else []:
+            merged_s = float(merged.predict(merged.uniform(c))[0])
+            if merged_s < ddp_s * (1 - LAYOUT_MARGIN) and merged_s < seconds:
+                seconds, exchange_mb = merged_s, merged.exchange_mb
+        rows.append(WhatIfRow(c, seconds, float(problem.fidelity_error(u)[0]),
                               bool(problem.feasible(u)[0]), trial=arm.status if arm is not None else "",
                               efficiency=arm.efficiency if arm is not None else None,
-                              efficiency_se=arm.efficiency_se if arm is not None else None))
+                              efficiency_se=arm.efficiency_se if arm is not None else None,
+                              exchange_mb=exchange_mb, ddp_buckets_s=ddp_s))
     rows.sort(key=lambda r: r.predicted_s)
     baselines = [r for r in rows if r.config in BASELINES]
     # a baseline's time to accuracy: its step over its efficiency (1 where it was not trialled)
@@ -141,7 +158,8 @@ def what_if(profile, scenario: Scenario | None = None, *, budget: float | None =
     checked = best.config in accepted or best.config == "none"
     if proven:
         advice = max(proven, key=lambda r: r.to_accuracy)
-        verdict = (f"compress with {advice.config}: to the same accuracy {advice.to_accuracy:.2f}x sooner than "
+        layout = f" in {advice.exchange_mb:g} MiB exchanges" if advice.exchange_mb is not None else ""
+        verdict = (f"compress with {advice.config}{layout}: to the same accuracy {advice.to_accuracy:.2f}x sooner than "
                    f"{base.config} (at least {advice.to_accuracy_low:.2f}x: predicted "
                    f"{base.predicted_s / advice.predicted_s:.2f}x per step, step efficiency {advice.efficiency:.2f} "
                    f"in the accuracy trial), within the fidelity budget ({source})")
