@@ -1,4 +1,4 @@
-"""Cost of the hook itself: a 2-rank gloo training step with plan ``none`` vs DDP with no hook.
+"""Cost of the hook itself: plan ``none`` vs DDP with no hook, and plan ``fp16`` vs PyTorch's fp16 hook.
 
 Run:  .venv/bin/python benchmarks/hook_overhead.py [--steps 30] [--rounds 6]
 
@@ -10,7 +10,10 @@ The model is the seed study's 5.3M-parameter MLP (1024-2048-1024-1024-10, batch 
 thread a rank, over loopback.  A training step is zero_grad, forward, backward and an SGD
 step with momentum; the ratio of forward+backward alone (the part the hook touches, timed
 within the same steps) is printed too, as the stricter view.
-Target: median hooked training step / median plain training step <= 1.03.
+A second plain DDP model in the same rotation gives the noise of the comparison itself, and
+the plan ``fp16`` runs beside PyTorch's ``fp16_compress_hook``.
+Target: median hooked training step / median plain training step <= 1.03, and the fp16 plan
+no slower than PyTorch's fp16 hook beyond the noise.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ def mlp(dtype=torch.float32) -> nn.Module:
 
 
 def _rank(rank: int, world_size: int, steps: int, rounds: int, plan_json: str, options: list[str]):
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook, fp16_compress_hook
 
     models, dtypes = {}, {}
     for option in options:
@@ -54,6 +57,11 @@ def _rank(rank: int, world_size: int, steps: int, rounds: int, plan_json: str, o
         dtypes[option] = dtype
     models[("default", "torch")] = DDP(mlp())
     models[("default", "torch")].register_comm_hook(None, allreduce_hook)
+    models[("default", "plain again")] = DDP(mlp())  # the noise: the same setting twice
+    models[("default", "fp16 plan")] = DDP(mlp())
+    install(models[("default", "fp16 plan")], Plan.uniform("fp16", warmup_steps=0))
+    models[("default", "torch fp16")] = DDP(mlp())
+    models[("default", "torch fp16")].register_comm_hook(None, fp16_compress_hook)
     x = torch.randn(64, 1024)
     y = torch.randint(0, 10, (64,))
     optimizers = {key: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for key, m in models.items()}
@@ -105,8 +113,9 @@ def main(argv=None) -> int:
           f"of {len(results[0]['step'])} models, 1 thread a rank")
     print(f"{'ms (median)':46s} {'training step':>14s} {'forward+backward':>17s} {'hooked/plain':>13s}")
     for option in options:
-        for kind, label in (("plain", "DDP, no hook"), ("hooked", "DDP + plan 'none'"),
-                            ("torch", "DDP + PyTorch's allreduce_hook")):
+        for kind, label in (("plain", "DDP, no hook"), ("plain again", "DDP, no hook (again: the noise)"),
+                            ("hooked", "DDP + plan 'none'"), ("torch", "DDP + PyTorch's allreduce_hook"),
+                            ("fp16 plan", "DDP + plan 'fp16'"), ("torch fp16", "DDP + PyTorch's fp16 hook")):
             key = f"{option}/{kind}"
             if key not in results[0]["step"]:
                 continue
@@ -119,6 +128,13 @@ def main(argv=None) -> int:
     print(f"ratio PyTorch allreduce_hook/plain, training step: "
           f"{median('step', 'default/torch') / median('step', 'default/plain'):.3f}; forward+backward alone: "
           f"{median('backward', 'default/torch') / median('backward', 'default/plain'):.3f}")
+    noise = median("step", "default/plain again") / median("step", "default/plain")
+    print(f"noise: the same plain DDP twice, training step: {noise:.3f}; forward+backward alone: "
+          f"{median('backward', 'default/plain again') / median('backward', 'default/plain'):.3f}")
+    fp16 = median("step", "default/fp16 plan") / median("step", "default/torch fp16")
+    print(f"ratio plan 'fp16'/PyTorch's fp16 hook, training step: {fp16:.3f} (noise {abs(noise - 1):.3f}: "
+          f"{'inside it' if abs(fp16 - 1) <= abs(noise - 1) else 'beyond it'}); forward+backward alone: "
+          f"{median('backward', 'default/fp16 plan') / median('backward', 'default/torch fp16'):.3f}")
     for option in options[1:]:
         print(f"ratio hooked/plain with {option}: "
               f"{median('step', f'{option}/hooked') / median('step', f'{option}/plain'):.3f}")

@@ -146,6 +146,9 @@ class ExchangeContext:
     #: the kernel form of each choice (:mod:`advisor.compressors.forms`); absent: the default
     forms: Mapping[str, str] = field(default_factory=dict)
     first_payload: torch.Tensor | None = field(default=None, repr=False)
+    #: set by the runtime for compressors with ``checks_combined``: judge the combined result
+    #: instead of the input (see :attr:`Compressor.checks_combined`)
+    check_combined: bool = False
 
     def form(self, choice: str) -> str:
         """The kernel form to run for ``choice`` (the plan's, else the choice's default)."""
@@ -219,6 +222,12 @@ class Compressor(ABC):
     #: feedback) to ``inp`` itself, block by block while the data is in cache, instead of
     #: the runtime doing it in one extra pass beforehand.  Only with ``detects_nonfinite``.
     fuses_residual_add: bool = False
+    #: Whether :meth:`exchange`, given ``ctx.check_combined`` (no error feedback), judges its one
+    #: message's combined result instead of the input: that sum is non-finite exactly when some
+    #: rank's input was (or the sum left the wire type's range), every rank sees the same, and the
+    #: compressor then sets ``ctx.nonfinite`` and leaves ``out`` as it was.  The runtime then
+    #: needs neither a scan of the input nor the flag element.
+    checks_combined: bool = False
 
     def __init__(self, error_feedback: bool | None = None) -> None:
         self.error_feedback = self.lossy if error_feedback is None else bool(error_feedback)

@@ -36,17 +36,30 @@ class _Cast(Compressor):
     """Cast to a 16-bit float type, all-reduce, cast back.
 
     Divided by ``world_size`` after the cast, in 16 bits, as PyTorch's fp16 hook does
-    (half the bytes of doing it in fp32 first).  The non-finite check runs on the 16-bit
-    payload, so it also catches values beyond the 16-bit range (Inf after the cast): that
-    step goes uncompressed instead of turning into Inf.  Near-lossless, so error feedback
-    is off by default; turn it on to carry the rounding error forward.
+    (half the bytes of doing it in fp32 first).  The non-finite check runs on 16 bits, so
+    it also catches values beyond the 16-bit range (Inf after the cast): that step goes
+    uncompressed instead of turning into Inf.  Without error feedback it runs on the summed
+    payload, after the all-reduce (one scan, off the backward thread, and no flag element:
+    as lean as PyTorch's hook); with it, on this rank's payload before.  Near-lossless, so
+    error feedback is off by default; turn it on to carry the rounding error forward.
     """
 
     lossy = False
     detects_nonfinite = True
+    checks_combined = True
     dtype: torch.dtype = torch.float16
 
     def exchange(self, inp, out, layout, state, ctx) -> Exchange:
+        if ctx.check_combined:
+            wire = ctx.buffer("wire", inp.numel(), self.dtype, inp.device).copy_(inp)
+            if ctx.world_size > 1:
+                wire.mul_(1.0 / ctx.world_size)
+            summed = yield Message(wire, Collective.ALL_REDUCE_SUM, last=True)
+            if not is_finite(summed):
+                ctx.nonfinite = True
+                return
+            out.copy_(summed)
+            return
         wire = ctx.payload(inp.numel(), self.dtype, inp.device)
         wire.copy_(inp)
         ctx.nonfinite = not is_finite(wire)
@@ -60,7 +73,8 @@ class _Cast(Compressor):
         out.copy_(summed)
 
     def wire(self, layout: SegmentLayout, world_size: int) -> list[WireSpec]:
-        return [WireSpec(Collective.ALL_REDUCE_SUM, (layout.numel + 1) * 2, dtype_name(self.dtype))]
+        flag = 1 if self.error_feedback else 0  # the runtime's flag element rides only where the input is judged
+        return [WireSpec(Collective.ALL_REDUCE_SUM, (layout.numel + flag) * 2, dtype_name(self.dtype))]
 
 
 class Fp16(_Cast):

@@ -111,6 +111,14 @@ def guarded_exchange(
         grad.copy_(work)
         return
 
+    if compressor.checks_combined and residuals is None:
+        # the compressor judges the combined sum, which every rank sees alike: no flag, no scan first
+        ctx.check_combined, ctx.nonfinite, ctx.keep_residual, ctx.first_payload = True, None, False, None
+        yield from compressor.exchange(grad, grad, layout, compressor_state, ctx)
+        if ctx.nonfinite:
+            yield from _uncompressed_instead(compressor, grad, layout, None, ctx, None, on_nonfinite)
+        return
+
     scanned_finite, inp = _compressor_input(compressor, grad, layout, residuals, ctx)
     inner = compressor.exchange(inp, grad, layout, compressor_state, ctx)
     message = next(inner)
@@ -171,7 +179,8 @@ def _compressor_input(compressor: Compressor, grad: torch.Tensor, layout: Segmen
 
 
 def _uncompressed_instead(compressor: Compressor, grad: torch.Tensor, layout: SegmentLayout,
-                          residuals: ResidualStore | None, ctx: ExchangeContext, locally_bad: bool, on_nonfinite):
+                          residuals: ResidualStore | None, ctx: ExchangeContext, locally_bad: bool | None,
+                          on_nonfinite):
     """Some rank's input was not finite: every rank sends its gradient uncompressed this step.
 
     The mean then carries the NaN/Inf as DDP's own all-reduce would (a loss scaler sees it and
@@ -185,7 +194,7 @@ def _uncompressed_instead(compressor: Compressor, grad: torch.Tensor, layout: Se
         compressor.name,
         _describe(layout),
         ctx.step,
-        "this rank" if locally_bad else "another rank",
+        {True: "this rank", False: "another rank", None: "some rank (their sum was not finite)"}[locally_bad],
     )
     if on_nonfinite is not None:
         on_nonfinite(layout, ctx.step)
