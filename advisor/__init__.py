@@ -26,8 +26,18 @@ from advisor.tuning.results import AutotuneResult, TunedResult
 
 __version__ = "0.1.0"
 
+def __getattr__(name: str):
+    # FSDP2's reduce-scatter interface lives in a private torch module: imported on first use only
+    if name == "install_sharded":
+        from advisor.runtime.sharded import install_sharded
+
+        return install_sharded
+    raise AttributeError(f"module 'advisor' has no attribute {name!r}")
+
+
 __all__ = [
     "ddp_for",
+    "install_sharded",
     "AutotuneResult",
     "CompressionHook",
     "FidelityMonitor",

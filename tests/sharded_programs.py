@@ -1,0 +1,110 @@
+"""Programs the sharded (FSDP2) tests run on every rank (module level, so spawn can import them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class Blocks(nn.Module):
+    """Three blocks and a head: one fully_shard group each, and the root's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 32)) for _ in range(3))
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def _sharded(seed: int = 0):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = Blocks()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def _batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+
+
+def _local(tensor) -> torch.Tensor:
+    return tensor.to_local().detach().clone() if hasattr(tensor, "to_local") else tensor.detach().clone()
+
+
+def train_sharded(rank: int, world_size: int, plan_dict, steps: int, comm: str | None = None):
+    """FSDP2 training under a plan (None: FSDP's own path; ``comm="exact"``: the all-to-all fp32
+    reduce-scatter on every group); this rank's gradient shards after the first step, and its
+    parameter shards and losses at the end."""
+    from advisor.runtime import Plan
+    from advisor.runtime.sharded import ExactReduceScatter, install_sharded, sharded_groups
+
+    model = _sharded()
+    if plan_dict is not None:
+        install_sharded(model, Plan.from_dict(plan_dict))
+    if comm == "exact":
+        for _, module, _ in sharded_groups(model):
+            module.set_custom_reduce_scatter(ExactReduceScatter())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses, first_grads = [], None
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        if first_grads is None:
+            first_grads = {n: _local(p.grad) for n, p in model.named_parameters()}
+        opt.step()
+        losses.append(loss.item())
+    full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}  # all-gathered on every rank
+    return {"grads": first_grads, "params": {n: _local(p) for n, p in model.named_parameters()}, "losses": losses,
+            "full": full}
+
+
+def full_batch_reference(rank: int, world_size: int, ranks: int):
+    """One process, no sharding: the mean gradient over ``ranks`` ranks' batches (what data parallelism computes)."""
+    torch.manual_seed(0)
+    model = Blocks()
+    model.zero_grad()
+    losses = [nn.functional.cross_entropy(model(x), y) for x, y in (_batch(r, 0) for r in range(ranks))]
+    (sum(losses) / ranks).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def install_expecting_error(rank: int, world_size: int, case: str):
+    """What install_sharded says to a bad set-up, on this rank."""
+    from torch.distributed.fsdp import fully_shard
+
+    from advisor.runtime import Plan
+    from advisor.runtime.sharded import ExactReduceScatter, install_sharded
+
+    model = _sharded()
+    plan = Plan.uniform("bf16", warmup_steps=0)
+    if case == "split group":
+        plan = Plan.from_assignments({"blocks.0.0.weight": "bf16"}, default="fp16")
+    elif case == "unsupported":
+        plan = Plan.uniform("powersgd(rank=2)")
+    elif case == "comm already set":
+        model.blocks[1].set_custom_reduce_scatter(ExactReduceScatter())
+    elif case == "different plans":
+        plan = Plan.uniform("bf16" if rank == 0 else "fp16")
+    elif case == "not sharded":
+        torch.manual_seed(0)
+        from sharded_programs import Blocks as Plain
+        model = Plain()
+    elif case == "missing parameter":
+        plan = Plan.from_assignments({"blocks.9.weight": "bf16"})
+    del fully_shard
+    try:
+        install_sharded(model, plan)
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "installed"
