@@ -165,7 +165,7 @@ def run_benchmark(ranks: Sequence[int] = (2, 4), rates: Sequence[str] = RATES, m
                        "best_pytorch": best_pytorch, "noise": _noise(out[0]["rounds"]), "result": res}
                 if MATCHED in t:
                     held = out[0]["matched_result"]
-                    row.update(matched_advice=held["description"], matched_tune_s=max(o["matched_tune_s"] for o in out),
+                    row.update(matched_advice=held["description"], matched_result=held, matched_tune_s=max(o["matched_tune_s"] for o in out),
                                matched_vs_powersgd_r1=speedup(t["PyTorch PowerSGD r1 (1 bucket)"], t[MATCHED]),
                                matched_fidelity=held.get("fidelity_error"), matched_budget=held.get("fidelity_budget"),
                                matched_budget_source=held.get("budget_source"))
@@ -176,9 +176,13 @@ def run_benchmark(ranks: Sequence[int] = (2, 4), rates: Sequence[str] = RATES, m
 
 
 def _noise(rounds: dict[str, list[float]]) -> float:
-    """The comparison's noise: the median over settings of each one's spread across rounds, relative
-    to its median (half the range), as a fraction."""
-    spreads = [(max(v) - min(v)) / 2 / statistics.median(v) for v in rounds.values() if len(v) > 1]
+    """The comparison's noise: each setting's median absolute deviation across rounds relative to its
+    median (robust to a stray round), the median over settings, as a fraction."""
+    spreads = []
+    for v in rounds.values():
+        if len(v) > 1:
+            mid = statistics.median(v)
+            spreads.append(statistics.median(abs(x - mid) for x in v) / mid)
     return statistics.median(spreads) if spreads else float("nan")
 
 
@@ -197,7 +201,7 @@ def render_row(row: dict, console=None) -> None:
     console.print(f"advisor plan vs PyTorch fp16 hook {row['vs_fp16_hook']:.2f}x, vs best PyTorch PowerSGD "
                   f"{row['vs_best_powersgd']:.2f}x, vs best baseline {row['vs_best_baseline']:.2f}x, vs the best "
                   f"PyTorch setting in hindsight ({row['best_pytorch']}) {row['vs_best_pytorch']:.2f}x; "
-                  f"noise ±{row['noise']:.1%} (half the spread of a setting across rounds, median)")
+                  f"noise ±{row['noise']:.1%} (a setting's median absolute deviation across rounds, median)")
     layout = (row.get("result") or {}).get("exchange_mb")
     joined = f"DDP's buckets exchanged together up to {layout:g} MiB" if layout else "DDP's own buckets"
     console.print(f"advice's bucket layout: {joined}")
