@@ -165,7 +165,8 @@ def run_benchmark(ranks: Sequence[int] = (2, 4), rates: Sequence[str] = RATES, m
                        "best_pytorch": best_pytorch, "noise": _noise(out[0]["rounds"]), "result": res}
                 if MATCHED in t:
                     held = out[0]["matched_result"]
-                    row.update(matched_advice=held["description"], matched_result=held, matched_tune_s=max(o["matched_tune_s"] for o in out),
+                    row.update(matched_advice=held["description"], matched_result=held,
+                               matched_tune_s=max(o["matched_tune_s"] for o in out),
                                matched_vs_powersgd_r1=speedup(t["PyTorch PowerSGD r1 (1 bucket)"], t[MATCHED]),
                                matched_fidelity=held.get("fidelity_error"), matched_budget=held.get("fidelity_budget"),
                                matched_budget_source=held.get("budget_source"))
