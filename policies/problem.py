@@ -181,14 +181,15 @@ class TuningProblem:
         return out
 
     def describe(self, choices: np.ndarray) -> str:
-        """``fp16 x3, topk(ratio=0.01) x2`` style summary of one plan."""
+        """``fp16 x3, topk(ratio=0.01) x2`` style summary of one plan (and its bucket layout, where it joins buckets)."""
         labels = [self.configs[int(c)] for c in np.asarray(choices).reshape(-1)]
         counts: dict[str, int] = {}
         for label in labels:
             counts[label] = counts.get(label, 0) + 1
+        layout = f", in {self.exchange_mb:g} MiB exchanges" if self.exchange_mb is not None else ""
         if len(counts) == 1:
-            return f"{labels[0]} everywhere"
-        return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
+            return f"{labels[0]} everywhere{layout}"
+        return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])) + layout
 
 
 def _candidate_labels(profile, candidates: Sequence[str] | None) -> list[str]:

@@ -87,6 +87,7 @@ from advisor.tuning.steps import (
     check_trial_budget,
     decide_time_to_accuracy,
     search,
+    search_layouts,
     shared_profile,
     short_list,
     sixteen_bit_baseline,
@@ -280,9 +281,14 @@ class OnlineTuner:
         observation.stop()
         profile = shared_profile(observation.profile(self.candidates, self.group), self.group)
         problem = TuningProblem.from_profile(profile, self.candidates, budget=self.budget)
-        found = search(OptunaPolicy(n_trials=self.trials), problem, self.group)
+        policy = OptunaPolicy(n_trials=self.trials)
+        found = search(policy, problem, self.group)
+        # and under coarser bucket layouts; where one wins, DDP's own buckets' best races beside it
+        layout_problem, layout_found, _ = search_layouts(policy, problem, found, self.group)
         arms = baseline_arms(problem, sixteen_bit_baseline(problem, self.optimizer))
-        candidates = short_list(problem, found, self.top)
+        candidates = short_list(layout_problem, layout_found, self.top)
+        if layout_problem is not problem:
+            candidates += short_list(problem, found, 1)
         # without accuracy evidence, racing a compressed plan on the user's own steps would cost
         # accuracy for a plan that could never be installed
         left_out = candidates if self._gate_args is None else []
