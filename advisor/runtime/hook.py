@@ -65,6 +65,14 @@ class CompressionHook:
         #: buckets the plan's layout holds back for a joint exchange: (buffer, parameters, DDP's future)
         self._held: list[tuple[torch.Tensor, list, torch.futures.Future]] = []
         self._held_bytes = 0
+        #: work handles of all-reduces issued directly (plans that compress nothing), kept until the
+        #: iteration after theirs so that gloo's thread never drops the last reference (channel.py)
+        self._direct_works: list = []
+        self._direct_works_before: list = []
+        self._uncompressed = self._compresses_nothing(plan)
+        #: whether some parameter has sparse gradients: their buckets go through the channel, so
+        #: every bucket must (one thread issues the hook's collectives, in one order)
+        self.sparse_gradients = False
         #: residuals of parameters whose new config has no error feedback, delivered
         #: (added to the gradient) on their next step so no update is lost
         self._pending: dict[str, torch.Tensor] = {}
@@ -113,6 +121,36 @@ class CompressionHook:
             offset += layout.numel
         self._layouts[key] = result
         return result
+
+    def _compresses_nothing(self, plan: Plan) -> bool:
+        return plan.exchange_mb is None and all(
+            c.name == "none" and not self._compressor(c).error_feedback for c in plan.configs())
+
+    def direct_future(self, bucket) -> torch.futures.Future | None:
+        """Under a plan that compresses nothing, the bucket's all-reduce issued here, as PyTorch's
+        ``allreduce_hook`` does (the mean, in fp32, in place); None where the channel must carry it.
+
+        Safe to bypass the channel: every rank takes this path for every bucket of the iteration,
+        in DDP's bucket order, and the channel is idle between iterations (plans change only then).
+        """
+        if not self._uncompressed or self.world_size == 1 or self.deliveries or self._held or self.sparse_gradients:
+            return None
+        buffer = bucket.buffer()
+        if self._pending or self.observers:
+            for layout, config, offset in self.segments(bucket.parameters()):
+                grad = buffer[offset : offset + layout.numel]
+                if self._pending:
+                    self._deliver_pending(layout, grad)
+                for observe in self.observers:
+                    observe(layout, grad, config)
+        buffer.mul_(1.0 / self.world_size)
+        self.channel.messages_sent += 1
+        self.channel.bytes_sent += buffer.numel() * buffer.element_size()
+        work = dist.all_reduce(buffer, group=self.channel.group, async_op=True)
+        self._direct_works.append(work)
+        if bucket.is_last():
+            self._direct_works_before, self._direct_works = self._direct_works, []
+        return work.get_future().then(_first_value)
 
     def take_bucket(self, bucket) -> tuple[Job | None, torch.futures.Future]:
         """The job to hand to the channel now (None while the plan's layout holds ``bucket``
@@ -233,6 +271,7 @@ class CompressionHook:
                 self._pending[name] = residual
         self._residuals.drop([n for n in self._pending])
         self.plan = plan
+        self._uncompressed = self._compresses_nothing(plan)
         self._layouts.clear()
         self.plan_history.append((self.step, plan.digest(), reason))
         log.info("plan changed at step %d (%s): %s", self.step, reason or "no reason given", plan.digest())
@@ -332,6 +371,11 @@ def compression_hook(state: CompressionHook, bucket):  # no annotations: DDP che
     # take_bucket encodes here, on the thread that runs backward, as PyTorch's own hooks do:
     # encoding competes with backward for the device either way, and on CPU a second busy
     # thread per rank only adds contention.  Only the collectives go to the channel.
+    direct = state.direct_future(bucket)
+    if direct is not None:
+        if bucket.is_last():
+            state.step += 1
+        return direct
     job, waits = state.take_bucket(bucket)
     for each in (job.jobs if isinstance(job, _Both) else [job] if job is not None else []):
         if each.ends_iteration:
@@ -363,6 +407,10 @@ def _pass_slice(waits: torch.futures.Future, buffer: torch.Tensor, offset: int, 
         waits.set_result(buffer)
     except Exception as exc:  # the exchange failed: every held bucket's future carries why
         waits.set_exception(exc)
+
+
+def _first_value(done: torch.futures.Future) -> torch.Tensor:
+    return done.value()[0]
 
 
 def _sparse_sum(grad: torch.Tensor):
@@ -455,6 +503,7 @@ def install(
     if sparse:
         log.info("parameters %s have sparse gradients: they cross uncompressed, whatever the plan says", sparse)
     state = CompressionHook(plan, names, group)
+    state.sparse_gradients = bool(sparse)
     try:
         ddp_model.register_comm_hook(state, compression_hook)
     except RuntimeError as exc:
