@@ -63,7 +63,7 @@ def bench_rank(rank: int, world: int, dim: int, layers: int, rounds: int, steps:
     held_out = _windows(held, 16, TEXT_CONTEXT)[:2]
     models = {s: _model(dim, layers, s) for s in SETTINGS}
     optimizers = {s: torch.optim.AdamW(m.parameters(), lr=1e-3) for s, m in models.items()}
-    params = sum(p.numel() for p in models[SETTINGS[0]].parameters()) * world  # sharded: this rank's share
+    params = sum(p.numel() for p in models[SETTINGS[0]].parameters())  # DTensors: numel() is the global size
     times = {s: [] for s in SETTINGS}
     step = 0
 

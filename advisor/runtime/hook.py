@@ -132,6 +132,9 @@ class CompressionHook:
 
         Safe to bypass the channel: every rank takes this path for every bucket of the iteration,
         in DDP's bucket order, and the channel is idle between iterations (plans change only then).
+        Issued on DDP's own group, from the thread that runs backward, in order with DDP's and the
+        user's collectives there, as PyTorch's hooks are: the hooks' second group (``traffic_group``)
+        was measurably slower (docs/benchmarks.md, the hook's own cost).
         """
         if not self._uncompressed or self.world_size == 1 or self.deliveries or self._held or self.sparse_gradients:
             return None
@@ -146,7 +149,7 @@ class CompressionHook:
         buffer.mul_(1.0 / self.world_size)
         self.channel.messages_sent += 1
         self.channel.bytes_sent += buffer.numel() * buffer.element_size()
-        work = dist.all_reduce(buffer, group=self.channel.group, async_op=True)
+        work = dist.all_reduce(buffer, group=self.group, async_op=True)
         self._direct_works.append(work)
         if bucket.is_last():
             self._direct_works_before, self._direct_works = self._direct_works, []
