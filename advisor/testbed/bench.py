@@ -33,7 +33,8 @@ from advisor.testbed.launch import launch_local
 from advisor.testbed.workloads import build_workload
 from advisor.tuning.live import timed_steps
 
-MODELS = ("advisor.workloads:mlp", "advisor.workloads:small_cnn", "advisor.workloads:tiny_lm")
+MODELS = ("advisor.workloads:mlp", "advisor.workloads:small_cnn", "advisor.workloads:tiny_lm",
+          "advisor.workloads:rnn_lm")
 RATES = ("100mbit", "1gbit", "unshaped")
 MATCHED = "advisor plan, r1's budget"
 #: DDP's bucket_cap_mb grid PyTorch's fp16 hook runs at (DDP's default is 25); the best is chosen in hindsight

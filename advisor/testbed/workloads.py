@@ -167,6 +167,26 @@ def tiny_lm() -> Workload:
     return Workload(_TinyLM(), _next_token_loss, batches, name="tiny-lm")
 
 
+class _RecurrentLM(nn.Module):
+    """A word-level LSTM language model: embedding, LSTM layers, output."""
+
+    def __init__(self, vocab: int = 2000, dim: int = 256, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.rnn = nn.LSTM(dim, dim, layers, batch_first=True)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.embed(tokens))[0])
+
+
+def rnn_lm() -> Workload:
+    """A small recurrent (LSTM) language model on random tokens (2.1M parameters; its LSTM matrices are 4x tall)."""
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 2000, (16, 65), generator=g) for _ in range(8)]
+    return Workload(_RecurrentLM(), _next_token_loss, batches, name="rnn-lm")
+
+
 class _DigitsNet(nn.Module):
     """A small CNN for 8x8 digits (~0.3M parameters: convolutions, a wide hidden layer)."""
 
