@@ -203,10 +203,11 @@ def test_wraps_accuracy_gate_rejects_a_harmful_plan_that_wins_on_speed_and_takes
     kwargs = {"observe_steps": 5, "trial_steps": 3, "top": 1, "trials": 200, "trial_s": 40.0, "budget": 10.0,
               "candidates": ["none", "fp16", "topk(ratio=0.001, no-ef)"]}
     with EmulatedCluster(hosts=2, rate="100mbit") as cluster:
-        out = cluster.run(gated_online_loop, (30, kwargs), timeout=600)
+        out = cluster.run(gated_online_loop, (45, kwargs), timeout=600)  # a joined layout races one more arm
     assert out[0]["digest"] == out[1]["digest"] and out[0]["phase"] == "watch"
-    verdicts = {label: accepted for label, accepted, _ in out[0]["arms"]}
-    assert verdicts["topk(ratio=0.001, no-ef) everywhere"] is False, out[0]["arms"]
+    # the harmful plan, under DDP's own buckets or a joined layout (", in N MiB exchanges")
+    harmful = [accepted for label, accepted, _ in out[0]["arms"] if label.startswith("topk(ratio=0.001, no-ef) everywhere")]
+    assert harmful and not any(harmful), out[0]["arms"]
     decided = next(d for _, w, d in out[0]["events"] if w == "decided")
     assert "not installed for accuracy: topk(ratio=0.001, no-ef)" in decided
     from advisor.runtime import Plan
