@@ -121,6 +121,9 @@ def _evidence(result: dict) -> str:
     trial = result.get("accuracy")
     power = (f"trial {trial['checkpoints'][-1]} steps, detects {trial['detectable']:.2%}" + (" (powered)" if trial["powered"]
                                                                                    else "")) if trial else "no trial"
+    if trial and not trial["powered"]:  # why it ended unpowered: the budget, or fp32 learning nothing visible
+        reason = trial["length_reason"]
+        power += f" ({reason[:120]}{'...' if len(reason) > 120 else ''})"
     tta = (f"{row['time_to_accuracy']:.2f}x ({row['tta_low']:.2f}-{row['tta_high']:.2f})"
            if row and row["time_to_accuracy"] is not None else "-")
     return f"{result['description']} [to accuracy {tta}; {power}]"
