@@ -41,7 +41,15 @@ from advisor.runtime import Plan
 from advisor.testbed import workloads
 from advisor.testbed.emulated import unavailable_reason
 from advisor.testbed.validate import validate_workload
-from advisor.testbed.workloads import TEXT_CONTEXT, Workload, _next_token_loss, _TextLM, _windows, stdlib_text_corpus
+from advisor.testbed.workloads import (
+    TEXT_CONTEXT,
+    Workload,
+    _next_token_loss,
+    _RecurrentLM,
+    _TextLM,
+    _windows,
+    stdlib_text_corpus,
+)
 from policies.problem import BASELINES
 
 STEPS = {"text": 300, "rnn": 200, "tlm": 200, "conv": 300}
@@ -52,19 +60,6 @@ def _optimizer(name: str, lr: float):
     if name == "sgd":
         return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
     return lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-
-
-class _RecurrentLM(nn.Module):
-    """A word-level LSTM language model: embedding, 2 LSTM layers, output (8.7M parameters)."""
-
-    def __init__(self, vocab: int = 8192, dim: int = 384, layers: int = 2) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.rnn = nn.LSTM(dim, dim, layers, batch_first=True)
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.rnn(self.embed(tokens))[0])
 
 
 def _text_task(model: nn.Module, name: str, batch: int = 8) -> Workload:
@@ -95,7 +90,7 @@ def _conv_task() -> Workload:
                     evaluate=workloads._digits_evaluator(x_test, y_test))
 
 
-TASKS = {"text": workloads.text_lm, "rnn": lambda: _text_task(_RecurrentLM(), "stdlib-lstm-lm"),
+TASKS = {"text": workloads.text_lm, "rnn": lambda: _text_task(_RecurrentLM(vocab=8192, dim=384), "stdlib-lstm-lm"),
          "tlm": lambda: _text_task(_TextLM(vocab=8192, dim=320, layers=4, heads=5), "stdlib-transformer-lm"),
          "conv": _conv_task}
 LR = {("text", "sgd"): 0.1, ("rnn", "sgd"): 0.5, ("tlm", "sgd"): 0.1, ("conv", "sgd"): 0.05}

@@ -168,7 +168,7 @@ def tiny_lm() -> Workload:
 
 
 class _RecurrentLM(nn.Module):
-    """A word-level LSTM language model: embedding, LSTM layers, output."""
+    """A word-level LSTM language model: embedding, LSTM layers, output (the benchmarks size it up)."""
 
     def __init__(self, vocab: int = 2000, dim: int = 256, layers: int = 2) -> None:
         super().__init__()
