@@ -78,15 +78,9 @@ class TuningProblem:
         """
         measure = _fidelity_measure(profile, fidelity_measure)
         model = PerformanceModel(profile, scenario, overlap=overlap, exchange_mb=exchange_mb)
-        labels = _candidate_labels(profile, candidates)
-        costs = model.candidate_costs(labels)
-        errors = _error_matrix(profile, model, costs.configs, measure)
-        numel = np.array([b.numel for b in model.buckets], dtype=np.float64)
-        weights = numel / numel.sum()
-        names = [list(b.parameters) for b in model.buckets]
-        problem = cls(model, costs, errors, weights, budget=0.0, reference=None, parameter_names=names,
-                      fidelity_measure=measure,
-                      kernel_forms=dict(profile.kernels.forms) if profile.kernels is not None else {})
+        problem = cls._of_model(model, _candidate_labels(profile, candidates), measure, budget=0.0,
+                                kernel_forms=dict(profile.kernels.forms) if profile.kernels is not None else {})
+        costs = problem.costs
         if budget is None:
             if reference is None:
                 raise ValueError("give an accuracy budget (budget=...) or a reference config (reference=...)")
@@ -104,15 +98,19 @@ class TuningProblem:
             problem.budget = float(budget)
         return problem
 
+    @classmethod
+    def _of_model(cls, model: PerformanceModel, labels: Sequence[str], measure: str, **fields) -> TuningProblem:
+        """Costs, errors and size weights of ``labels`` on ``model``'s buckets (its layout's units)."""
+        costs = model.candidate_costs(labels)
+        numel = np.array([b.numel for b in model.buckets], dtype=np.float64)
+        return cls(model, costs, _error_matrix(model.profile, model, costs.configs, measure), numel / numel.sum(),
+                   parameter_names=[list(b.parameters) for b in model.buckets], fidelity_measure=measure, **fields)
+
     def with_layout(self, exchange_mb: float | None) -> TuningProblem:
         """The same problem (candidates, budget, correction) under another bucket layout."""
-        model = self.model.with_layout(exchange_mb)
-        errors = _error_matrix(model.profile, model, self.configs, self.fidelity_measure)
-        numel = np.array([b.numel for b in model.buckets], dtype=np.float64)
-        return TuningProblem(model, model.candidate_costs(self.configs), errors, numel / numel.sum(),
-                             budget=self.budget, reference=self.reference, correction=self.correction,
-                             parameter_names=[list(b.parameters) for b in model.buckets],
-                             fidelity_measure=self.fidelity_measure, kernel_forms=dict(self.kernel_forms))
+        return self._of_model(self.model.with_layout(exchange_mb), self.configs, self.fidelity_measure,
+                              budget=self.budget, reference=self.reference, correction=self.correction,
+                              kernel_forms=dict(self.kernel_forms))
 
     @property
     def exchange_mb(self) -> float | None:

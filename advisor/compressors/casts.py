@@ -50,19 +50,12 @@ class _Cast(Compressor):
     dtype: torch.dtype = torch.float16
 
     def exchange(self, inp, out, layout, state, ctx) -> Exchange:
-        if ctx.check_combined:
+        if ctx.check_combined:  # judged after the sum: no flag slot, no scan of this rank's payload
             wire = ctx.buffer("wire", inp.numel(), self.dtype, inp.device).copy_(inp)
-            if ctx.world_size > 1:
-                wire.mul_(1.0 / ctx.world_size)
-            summed = yield Message(wire, Collective.ALL_REDUCE_SUM, last=True)
-            if not is_finite(summed):
-                ctx.nonfinite = True
-                return
-            out.copy_(summed)
-            return
-        wire = ctx.payload(inp.numel(), self.dtype, inp.device)
-        wire.copy_(inp)
-        ctx.nonfinite = not is_finite(wire)
+        else:
+            wire = ctx.payload(inp.numel(), self.dtype, inp.device)
+            wire.copy_(inp)
+            ctx.nonfinite = not is_finite(wire)
         if ctx.world_size > 1:
             wire.mul_(1.0 / ctx.world_size)
         if ctx.keep_residual:
@@ -70,6 +63,9 @@ class _Cast(Compressor):
             decoded = ctx.buffer("decoded", inp.numel(), torch.float32, inp.device).copy_(wire)
             inp.sub_(decoded.mul_(ctx.world_size))
         summed = yield Message(wire, Collective.ALL_REDUCE_SUM, last=True)
+        if ctx.check_combined and not is_finite(summed):
+            ctx.nonfinite = True  # out is left as it was: the runtime sends it uncompressed instead
+            return
         out.copy_(summed)
 
     def wire(self, layout: SegmentLayout, world_size: int) -> list[WireSpec]:

@@ -21,7 +21,6 @@ import functools
 import logging
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -141,11 +140,7 @@ class CompressionHook:
         buffer = bucket.buffer()
         if self._pending or self.observers:
             for layout, config, offset in self.segments(bucket.parameters()):
-                grad = buffer[offset : offset + layout.numel]
-                if self._pending:
-                    self._deliver_pending(layout, grad)
-                for observe in self.observers:
-                    observe(layout, grad, config)
+                self._before_exchange(layout, buffer[offset : offset + layout.numel], config)
         buffer.mul_(1.0 / self.world_size)
         self.channel.messages_sent += 1
         self.channel.bytes_sent += buffer.numel() * buffer.element_size()
@@ -155,26 +150,26 @@ class CompressionHook:
             self._direct_works_before, self._direct_works = self._direct_works, []
         return work.get_future().then(_first_value)
 
-    def take_bucket(self, bucket) -> tuple[Job | None, torch.futures.Future]:
-        """The job to hand to the channel now (None while the plan's layout holds ``bucket``
-        back for a joint exchange), and the future DDP waits on for ``bucket``."""
+    def take_bucket(self, bucket) -> tuple[list[Job], torch.futures.Future]:
+        """The jobs to hand to the channel now, in order (none while the plan's layout holds
+        ``bucket`` back for a joint exchange), and the future DDP waits on for ``bucket``."""
         buffer = bucket.buffer()
         last = bucket.is_last()
         if buffer.is_sparse:
             # a sparse bucket crosses alone; buckets held before it go first, in the same order on every rank
             held = self._flush_held(last=False)
             job = self._sparse_job(buffer, last)
-            return job if held is None else _Both(held, job), job.future
+            return [job] if held is None else [held, job], job.future
         if self.plan.exchange_mb is None and not self._held:
             job = self._dense_job(buffer, bucket.parameters(), last)
-            return job, job.for_ddp if job.for_ddp is not None else job.future
+            return [job], job.for_ddp if job.for_ddp is not None else job.future
         waits: torch.futures.Future = torch.futures.Future()
         self._held.append((buffer, bucket.parameters(), waits))
         self._held_bytes += buffer.numel() * buffer.element_size()
         cap = (self.plan.exchange_mb or 0.0) * (1 << 20)
         if not last and self._held_bytes < cap:
-            return None, waits
-        return self._flush_held(last), waits
+            return [], waits
+        return [self._flush_held(last)], waits
 
     def _flush_held(self, last: bool) -> Job | None:
         """One job for the held buckets: their buffers side by side in one (a copy), exchanged as
@@ -211,10 +206,7 @@ class CompressionHook:
             )
             residuals = self._residuals if compressor.error_feedback else None
             grad = buffer[offset : offset + layout.numel]
-            if self._pending:
-                self._deliver_pending(layout, grad)
-            for observe in self.observers:
-                observe(layout, grad, config)
+            self._before_exchange(layout, grad, config)
             exchanges.append(
                 guarded_exchange(
                     compressor, grad, layout, self._compressor_state, residuals, ctx, self._count_nonfinite
@@ -240,6 +232,13 @@ class CompressionHook:
         if self.world_size > 1:
             mean.mul_(1.0 / self.world_size)
         return Job([_sparse_sum(mean)], torch.futures.Future(), mean, ends_iteration=last)
+
+    def _before_exchange(self, layout: SegmentLayout, grad: torch.Tensor, config: CompressorConfig) -> None:
+        """A segment's gradient, before it crosses: residuals left by a plan change go in, then observers see it."""
+        if self._pending:
+            self._deliver_pending(layout, grad)
+        for observe in self.observers:
+            observe(layout, grad, config)
 
     def _deliver_pending(self, layout: SegmentLayout, grad: torch.Tensor) -> None:
         for name, view in zip(layout.names, layout.views(grad)):
@@ -379,24 +378,12 @@ def compression_hook(state: CompressionHook, bucket):  # no annotations: DDP che
         if bucket.is_last():
             state.step += 1
         return direct
-    job, waits = state.take_bucket(bucket)
-    for each in (job.jobs if isinstance(job, _Both) else [job] if job is not None else []):
-        if each.ends_iteration:
+    jobs, waits = state.take_bucket(bucket)
+    for job in jobs:
+        if job.ends_iteration:
             state.step += 1
-        state._executor.submit(each)
+        state._executor.submit(job)
     return waits
-
-
-@dataclass
-class _Both:
-    """Two jobs handed over at one bucket (held buckets flushed before a sparse one)."""
-
-    held: Job
-    job: Job
-
-    @property
-    def jobs(self) -> list[Job]:
-        return [self.held, self.job]
 
 
 def _pass_slice(waits: torch.futures.Future, buffer: torch.Tensor, offset: int, done: torch.futures.Future) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from advisor.compressors.base import is_finite
 from advisor.compressors.registry import CompressorConfig
 from advisor.core.collectives import every_rank
 from advisor.runtime.plan import Plan, as_plan
@@ -97,7 +98,7 @@ class ExactReduceScatter(_reduce_scatter_base()):
         return received
 
     def _zero_nonfinite(self, rows: torch.Tensor) -> None:
-        if not bool(torch.isfinite(rows.sum())) and not bool(torch.isfinite(rows).all()):
+        if not is_finite(rows):
             self.nonfinite_events += 1
             log.warning("non-finite gradient values in sharded group %s: zeroed before the exchange",
                         self.name or "?")
