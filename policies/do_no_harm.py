@@ -4,8 +4,8 @@ The top candidates are measured live next to the baselines (fp32, 16-bit) in int
 rounds; each round gives one median step time per plan (slowest rank).  Rounds are
 paired: a baseline's round ``i`` over a plan's round ``i`` cancels what drifted between
 rounds, and the spread of those ratios is the noise of the comparison
-(:func:`policies.evidence.paired_speedup`).  Where a measurement carries its own standard
-error instead (the online race times one plan after another), the two errors add.
+(:func:`policies.evidence.paired_speedup`).  Both tuners measure this way: autotune on a
+shadow copy, the online race on the user's own steps.
 
 16-bit replaces fp32 as the baseline when the lower bound of its speed-up over fp32 exceeds
 ``1 + min_gain``; a compressed plan is chosen when the lower bound of its speed-up over the
@@ -38,9 +38,6 @@ class LiveMeasurement:
     round_s: list[float]
     predicted_s: float | None = None
     description: str = ""
-    #: the relative standard error of the median, where the rounds are not paired with other
-    #: plans' (the online race); None: paired interleaved rounds
-    se: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -54,16 +51,12 @@ class LiveMeasurement:
 
     @property
     def noise(self) -> float:
-        """Relative half-spread of the round medians (0 with one round), or twice the given standard error."""
-        if self.se is not None:
-            return 2 * self.se
+        """Relative half-spread of the round medians (0 with one round)."""
         return (max(self.round_s) - min(self.round_s)) / 2 / self.median_s
 
     @property
     def relative_se(self) -> float:
-        """The relative standard error of the median step time (inf with one round and no given error)."""
-        if self.se is not None:
-            return self.se
+        """The relative standard error of the median step time (inf with one round)."""
         if len(self.round_s) < 2:
             return math.inf
         return statistics.stdev(self.round_s) / math.sqrt(len(self.round_s)) / self.median_s
@@ -71,8 +64,8 @@ class LiveMeasurement:
 
 def step_speedup(baseline: LiveMeasurement, plan: LiveMeasurement) -> Estimate:
     """The baseline's step time over the plan's: paired by round where both were measured in the
-    same interleaved rounds, else from each one's own error."""
-    if baseline.se is None and plan.se is None and len(baseline.round_s) == len(plan.round_s):
+    same interleaved rounds, else from each one's own spread."""
+    if len(baseline.round_s) == len(plan.round_s):
         return paired_speedup(baseline.round_s, plan.round_s)
     return independent_speedup(baseline.median_s, baseline.relative_se, plan.median_s, plan.relative_se)
 

@@ -135,7 +135,7 @@ def time_to_accuracy(step_speedup: Estimate, efficiency: Estimate) -> Estimate:
 
 def independent_speedup(baseline_s: float, baseline_se: float, plan_s: float, plan_se: float) -> Estimate:
     """The baseline's step time over the plan's from two medians measured apart, each with
-    its relative standard error (the online race times one plan after another)."""
+    its relative standard error (rounds that cannot be paired: their numbers differ)."""
     return Estimate(baseline_s / plan_s, math.hypot(baseline_se, plan_se))
 
 

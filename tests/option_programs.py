@@ -156,7 +156,8 @@ def wrap_matrix(rank: int, world: int, cases: dict, steps: int = 30) -> dict:
     for name, case in cases.items():
         for mode, options, count in (
                 ("tune", {"candidates": ["none", "fp16", "powersgd(rank=2)", "topk(ratio=0.1)"], "observe_steps": 3,
-                          "trial_steps": 2, "top": 1, "trials": 60, "budget": 10.0}, steps),
+                          "trial_steps": 2, "trial_rounds": 2, "max_trial_rounds": 3, "top": 1, "trials": 60,
+                          "budget": 10.0}, steps),
                 ("watch", {"plan": _mixed_plan(case), "trend_steps": 3, "watch_every": 5, "fidelity_window": 4}, 16)):
             try:
                 ddp = DDP(_net(case), **case.get("ddp", {}))
@@ -279,8 +280,8 @@ def sparse_matrix(rank: int, world: int, steps: int = 6) -> dict:
     torch.manual_seed(0)
     ddp = DDP(SparseNet())
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    tuner = advisor.wrap(ddp, opt, candidates=["none", "fp16"], observe_steps=3, trial_steps=2, top=1, trials=50,
-                         budget=10.0)
+    tuner = advisor.wrap(ddp, opt, candidates=["none", "fp16"], observe_steps=3, trial_steps=2, trial_rounds=2,
+                         max_trial_rounds=3, top=1, trials=50, budget=10.0)
     for i in range(24):
         opt.zero_grad()
         loss_fn(ddp, batches[i % len(batches)]).backward()

@@ -92,7 +92,8 @@ def test_switching_to_an_uncompressed_plan_delivers_the_residual():
 def test_wrap_tunes_inside_the_users_loop_and_every_rank_lands_on_the_same_plan():
     from autotune_programs import online_loop
 
-    out = launch_local(online_loop, 2, (40, {"observe_steps": 5, "trial_steps": 3, "top": 1, "trials": 200}),
+    out = launch_local(online_loop, 2, (40, {"observe_steps": 5, "trial_steps": 3, "trial_rounds": 2,
+                                                           "max_trial_rounds": 3, "top": 1, "trials": 200}),
                        timeout=300)
     assert out[0]["digest"] == out[1]["digest"]
     assert out[0]["phase"] == "watch"
@@ -200,7 +201,8 @@ def test_the_loss_watch_backs_off_a_harmful_plan_in_real_training_and_not_a_loss
 def test_wraps_accuracy_gate_rejects_a_harmful_plan_that_wins_on_speed_and_takes_the_next():
     from autotune_programs import gated_online_loop
 
-    kwargs = {"observe_steps": 5, "trial_steps": 3, "top": 1, "trials": 200, "trial_s": 40.0, "budget": 10.0,
+    kwargs = {"observe_steps": 5, "trial_steps": 2, "trial_rounds": 2, "max_trial_rounds": 2, "top": 1, "trials": 200,
+              "trial_s": 40.0, "budget": 10.0,
               "candidates": ["none", "fp16", "topk(ratio=0.001, no-ef)"]}
     with EmulatedCluster(hosts=2, rate="100mbit") as cluster:
         out = cluster.run(gated_online_loop, (45, kwargs), timeout=600)  # a joined layout races one more arm

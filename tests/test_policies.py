@@ -199,13 +199,14 @@ def test_rounds_are_paired_so_drift_that_hits_both_plans_cancels():
     assert decide(mixed).chosen == "fp32"
 
 
-def test_a_measurement_with_its_own_error_is_compared_unpaired():
+def test_measurements_of_unequal_rounds_are_compared_unpaired_from_their_own_spread():
     from policies.do_no_harm import step_speedup
 
-    base = LiveMeasurement("fp32", "fp32", [0.100], se=0.01)
-    fast = LiveMeasurement("c", "candidate", [0.080], se=0.01)
+    base = m("fp32", "fp32", 100, 102, 98)
+    fast = m("c", "candidate", 80, 81, 79, 80)
     s = step_speedup(base, fast)
-    assert s.value == pytest.approx(1.25) and s.se_log == pytest.approx(0.01 * 2 ** 0.5)
+    assert s.value == pytest.approx(100 / 80, rel=0.02)
+    assert s.se_log == pytest.approx((base.relative_se ** 2 + fast.relative_se ** 2) ** 0.5)
     assert decide([base, fast]).compress
-    unsure = LiveMeasurement("c", "candidate", [0.095], se=0.05)
+    unsure = m("c", "candidate", 70, 130, 97, 99)
     assert not decide([base, unsure]).compress

@@ -62,6 +62,7 @@ from advisor.tuning.steps import (
     final_plan,
     search,
     search_layouts,
+    settled,
     shared_profile,
     short_list,
     sixteen_bit_baseline,
@@ -70,8 +71,7 @@ from advisor.tuning.steps import (
 )
 from policies import accuracy_gate as gate
 from policies.base import Policy
-from policies.do_no_harm import FP32, SIXTEEN_BIT, LiveMeasurement, decide, step_speedup
-from policies.evidence import resolved
+from policies.do_no_harm import FP32, SIXTEEN_BIT, LiveMeasurement
 from policies.greedy import GreedyPolicy
 from policies.learned import MeasurementSet, plan_features
 from policies.optuna_search import OptunaPolicy
@@ -362,19 +362,6 @@ def _measure(ddp_model, loss_fn, batches, optimizer, arms: dict[str, Arm], round
 def _measurements_of(arms: dict[str, Arm], rounds_s: Mapping[str, list[float]]) -> list[LiveMeasurement]:
     return [LiveMeasurement(label, arms[label].kind, list(rounds_s[label]), arms[label].predicted_s,
                             arms[label].description) for label in rounds_s]
-
-
-def settled(measured: Sequence[LiveMeasurement], min_gain: float = 0.0) -> bool:
-    """Whether more rounds would not change the speed decision: the 16-bit cast's speed-up over
-    fp32 and the fastest candidate's over the best baseline are each resolved
-    (:func:`policies.evidence.resolved`)."""
-    decision = decide(list(measured), min_gain=min_gain)
-    by_label = {m.label: m for m in measured}
-    fp32 = min((m for m in measured if m.kind == FP32), key=lambda m: m.median_s)
-    pairs = [(fp32, m) for m in measured if m.kind == SIXTEEN_BIT][:1]
-    if decision.best_candidate is not None:
-        pairs.append((by_label[decision.best_baseline], by_label[decision.best_candidate]))
-    return all(resolved(step_speedup(base, plan), min_gain) for base, plan in pairs)
 
 
 def _uniform_error(problem, config: str | None) -> float:

@@ -31,7 +31,7 @@ from policies import evidence
 from policies.base import Policy, PolicyResult
 from policies.baselines import BASELINES, DEFAULT_REFERENCE
 from policies.baselines import SIXTEEN_BIT as SIXTEEN_BIT_CASTS
-from policies.do_no_harm import CANDIDATE, FP32, SIXTEEN_BIT, Decision, LiveMeasurement, decide
+from policies.do_no_harm import CANDIDATE, FP32, SIXTEEN_BIT, Decision, LiveMeasurement, decide, step_speedup
 from policies.problem import TuningProblem
 from profilers.profile import ClusterProfile
 from profilers.training_state import preferred_sixteen_bit
@@ -266,6 +266,19 @@ def decide_time_to_accuracy(measured: Sequence[LiveMeasurement], judge: Callable
                                                   "no measured compressed candidate was proven for accuracy")
         decision.reason += "; not installed for accuracy: " + "; ".join(_grouped(rejected))
     return decision, checked, rejected
+
+
+def settled(measured: Sequence[LiveMeasurement], min_gain: float = 0.0) -> bool:
+    """Whether more rounds would not change the speed decision: the 16-bit cast's speed-up over
+    fp32 and the fastest candidate's over the best baseline are each resolved
+    (:func:`policies.evidence.resolved`)."""
+    decision = decide(list(measured), min_gain=min_gain)
+    by_label = {m.label: m for m in measured}
+    fp32 = min((m for m in measured if m.kind == FP32), key=lambda m: m.median_s)
+    pairs = [(fp32, m) for m in measured if m.kind == SIXTEEN_BIT][:1]
+    if decision.best_candidate is not None:
+        pairs.append((by_label[decision.best_baseline], by_label[decision.best_candidate]))
+    return all(evidence.resolved(step_speedup(base, plan), min_gain) for base, plan in pairs)
 
 
 def _grouped(reasons: Sequence[str]) -> list[str]:

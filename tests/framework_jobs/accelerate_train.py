@@ -68,7 +68,8 @@ def train(accelerator: Accelerator, how: str, state_dir: str) -> dict:
                    trial_arms=len(result.accuracy.arms) if result.accuracy else 0)
     elif how == "wrap":
         tuner = compression.wrap(accelerator, net, opt, candidates=["none", "fp16", "powersgd(rank=2)"],
-                                 observe_steps=3, trial_steps=2, top=1, trials=60, budget=10.0)
+                                 observe_steps=3, trial_steps=2, trial_rounds=2, max_trial_rounds=2, top=1,
+                                 trials=60, budget=10.0)
         hook = tuner.hook
     losses, saved = [], None
     steps = 2 * STEPS if how == "wrap" else STEPS

@@ -116,7 +116,7 @@ def main(out_dir: str) -> None:
             trial_s=4.0, trials=60, top=1, rounds=1, steps=2, warmup_steps=0), precision="bf16-mixed"),
         "wrap": lambda: fit(CompressionCallback(
             tune="wrap", tune_batches=8, candidates=["none", "fp16", "powersgd(rank=2)"], observe_steps=3,
-            trial_steps=2, top=1, trials=60, trial_s=3.0, budget=10.0), steps=30),
+            trial_steps=2, trial_rounds=2, max_trial_rounds=2, top=1, trials=60, trial_s=3.0, budget=10.0), steps=30),
     }
     results = {}
     for name, run in runs.items():

@@ -6,9 +6,9 @@
 """
 
 from advisor.tuning.online.observe import OBSERVE, Observation
-from advisor.tuning.online.trial import TRIAL, TRIAL_SETTLE, Race, robust_median
+from advisor.tuning.online.trial import TRIAL, TRIAL_SETTLE, Race
 from advisor.tuning.online.tuner import OnlineTuner, TunerEvent, wrap
 from advisor.tuning.online.watch import WATCH, Watch, loss_trend
 
 __all__ = ["OBSERVE", "TRIAL", "TRIAL_SETTLE", "WATCH", "Observation", "OnlineTuner", "Race", "TunerEvent", "Watch",
-           "loss_trend", "robust_median", "wrap"]
+           "loss_trend", "wrap"]

@@ -2,95 +2,108 @@
 
 from __future__ import annotations
 
-import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from advisor.core.collectives import slowest
 from advisor.runtime import CompressionHook
-from advisor.tuning.steps import Arm
+from advisor.tuning.steps import Arm, settled
 from policies.do_no_harm import LiveMeasurement
 
 TRIAL = "trial"
-#: steps under a new plan left out of its timing (the first ones pay for buffers and caches)
-TRIAL_SETTLE = 2
-
-
-def robust_median(times: Sequence[float]) -> tuple[float, float]:
-    """(median, relative standard error of the median) of step times, outliers beyond 5 MADs dropped.
-
-    The standard error of a median is about 1.25 * 1.4826 * MAD / sqrt(n) for normal noise.
-    """
-    med = statistics.median(times)
-    mad = statistics.median(abs(t - med) for t in times)
-    kept = [t for t in times if abs(t - med) <= 5 * mad] if mad > 0 else list(times)
-    med = statistics.median(kept)
-    mad = statistics.median(abs(t - med) for t in kept)
-    return med, 1.25 * 1.4826 * mad / math.sqrt(len(kept)) / med if med > 0 else 0.0
+#: steps under a newly set plan left out of its timing (the first one pays for buffers and caches)
+TRIAL_SETTLE = 1
 
 
 class Race:
-    """Each arm in turn trains the user's steps until its median step time is known well enough.
+    """The arms take turns on the user's steps in interleaved rounds, as :func:`advisor.autotune` measures.
 
-    An arm is timed for at least ``min_steps`` and at most ``max_steps`` steps, after
-    :data:`TRIAL_SETTLE` warm-up steps, and stops early once its median's standard error is
-    below ``precision`` on every rank (the least precise rank decides, so every rank moves
-    on at the same step).
+    In each round every arm trains ``steps`` timed steps after :data:`TRIAL_SETTLE` untimed
+    ones; the round's median step time of each arm (the slowest rank's, one collective per
+    round) is one paired observation.  Round ``i`` of every arm ran in the same stretch of
+    the job, so a baseline's round over a plan's round cancels what drifted between rounds
+    (the same statistic as autotune's live measurement: :func:`policies.do_no_harm.step_speedup`).
+    After ``min_rounds`` rounds, more follow while the comparisons that decide are unresolved
+    (:func:`advisor.tuning.steps.settled`), up to ``max_rounds``: the race stops once it is
+    decided, or once more rounds are no longer worth their steps.  Every rank holds the same
+    round times, so every rank stops at the same step.
     """
 
     name = TRIAL
 
-    def __init__(self, arms: Sequence[Arm], hook: CompressionHook, *, min_steps: int, max_steps: int,
-                 precision: float, group=None) -> None:
+    def __init__(self, arms: Sequence[Arm], hook: CompressionHook, *, steps: int, min_rounds: int, max_rounds: int,
+                 min_gain: float = 0.0, group=None) -> None:
         self.arms = {arm.label: arm for arm in arms}
         self.hook, self.group = hook, group
-        self.min_steps, self.max_steps, self.precision = min_steps, max_steps, precision
-        #: each arm's timed step seconds (this rank), in race order
-        self.times: dict[str, list[float]] = {}
-        self._queue = list(arms)
-        self._current: Arm | None = None
+        self.steps, self.min_rounds, self.max_rounds, self.min_gain = steps, min_rounds, max_rounds, min_gain
+        #: each arm's round medians (slowest rank), in race order
+        self.round_s: dict[str, list[float]] = {arm.label: [] for arm in arms}
+        #: why the race ended (set when it does)
+        self.ended = ""
+        self._order = list(arms)
+        self._turn = 0  # index of the arm training now
+        self._times: list[float] = []  # this turn's timed steps (this rank)
+        self._local: list[float] = []  # this round's medians so far (this rank)
         self._count = 0
         self._last_start = 0.0
 
-    def start(self, now: float) -> None:
-        self._next(now)
+    @property
+    def rounds(self) -> int:
+        """Rounds completed."""
+        return len(next(iter(self.round_s.values())))
 
-    def step_starts(self, now: float) -> bool:
-        """A step starts: time the one that ended; True when every arm has been timed."""
+    @property
+    def steps_per_round(self) -> int:
+        return len(self._order) * (TRIAL_SETTLE + self.steps)
+
+    def start(self, now: float) -> None:
+        self._begin_turn(now)
+
+    def step_starts(self, now: float, say: Callable[[str], None] | None = None) -> bool:
+        """A step starts: time the one that ended; True once the race is decided (or out of rounds)."""
         self._count += 1
-        times = self.times[self._current.label]
-        if self._count > TRIAL_SETTLE:  # the first steps under a new plan warm it up
-            times.append(now - self._last_start)
+        if self._count > TRIAL_SETTLE:  # the first step under a newly set plan warms it up
+            self._times.append(now - self._last_start)
         self._last_start = now
-        if len(times) < self.min_steps:
+        if len(self._times) < self.steps:
             return False
-        if len(times) < self.max_steps and slowest([robust_median(times)[1]], self.group)[0] > self.precision:
+        self._local.append(statistics.median(self._times))
+        self._turn += 1
+        if self._turn < len(self._order):
+            self._begin_turn(now)
             return False
-        if not self._queue:
+        # the round is complete: one collective gives every rank the slowest rank's medians
+        for arm, seconds in zip(self._order, slowest(self._local, self.group)):
+            self.round_s[arm.label].append(seconds)
+        self._local, self._turn = [], 0
+        done = self._done()
+        if say is not None:
+            say(f"race round {self.rounds}: " + ", ".join(f"{label} {r[-1] * 1e3:.1f} ms" for label, r in
+                                                          self.round_s.items()) + ("" if not done else f"; {self.ended}"))
+        if not done:
+            self._begin_turn(now)
+        return done
+
+    def _done(self) -> bool:
+        if self.rounds < self.min_rounds:
+            return False
+        if settled(self.measurements(), self.min_gain):
+            self.ended = f"decided after {self.rounds} rounds"
             return True
-        self._next(now)
+        if self.rounds >= self.max_rounds:
+            self.ended = f"still unresolved after {self.rounds} rounds (max_trial_rounds): the noise decides"
+            return True
         return False
 
     def close(self) -> None:
         """Nothing to remove: the race only sets the hook's plan."""
 
     def measurements(self) -> list[LiveMeasurement]:
-        """Every arm's median (slowest rank) with its relative standard error (the least precise rank's).
+        """Every arm's round medians (slowest rank), paired by round."""
+        return [LiveMeasurement(label, self.arms[label].kind, list(rounds), self.arms[label].predicted_s,
+                                self.arms[label].description) for label, rounds in self.round_s.items()]
 
-        The arms ran one after another, not in paired rounds, so each carries its own error.
-        """
-        labels = list(self.times)
-        stats = [robust_median(self.times[label]) for label in labels]
-        # medians and their standard errors share one collective; the slowest rank sets the pace
-        merged = slowest([m for m, _ in stats] + [e for _, e in stats], self.group)
-        medians, errors = merged[: len(labels)], merged[len(labels):]
-        return [LiveMeasurement(label, self.arms[label].kind, [m], self.arms[label].predicted_s,
-                                self.arms[label].description, se=e)
-                for label, m, e in zip(labels, medians, errors)]
-
-    def _next(self, now: float) -> None:
-        self._current = self._queue.pop(0)
-        self.times[self._current.label] = []
-        self.hook.set_plan(self._current.plan, reason=f"online trial: {self._current.label}", verify=False)
-        self._last_start = now
-        self._count = 0
+    def _begin_turn(self, now: float) -> None:
+        arm = self._order[self._turn]
+        self.hook.set_plan(arm.plan, reason=f"online race: {arm.label}, round {self.rounds + 1}", verify=False)
+        self._times, self._count, self._last_start = [], 0, now

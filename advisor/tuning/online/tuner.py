@@ -16,12 +16,13 @@ the model's forward calls, which every rank makes at the same step:
    profile comes from those observations, the network and compressor kernels are
    measured briefly, fidelity is replayed on the captured gradients; rank 0 searches and
    broadcasts the top plans.
-3. **trial**: each baseline (fp32 through the hook, 16-bit) and each top plan trains until
-   the median of its step times is known to ``trial_precision`` (its standard error, from
-   the median absolute deviation; at least ``trial_steps`` and at most ``max_trial_steps``
-   timed steps, after ``TRIAL_SETTLE`` warm-up steps and without outliers beyond five
-   deviations); the medians (slowest rank) decide under the do-no-harm rule, and the event
-   says how far the margin was from the noise.  Where ``loss_fn`` and ``batches`` are given
+3. **race**: each baseline (fp32 through the hook, 16-bit) and each top plan take turns
+   on the loop's steps in interleaved rounds (``trial_steps`` timed steps an arm a round,
+   after one that settles the new plan), measured as :func:`advisor.autotune` measures: each
+   round's median (slowest rank), paired by round, so drift between rounds cancels.  After
+   ``trial_rounds`` rounds more follow while the comparisons that decide are unresolved, up
+   to ``max_trial_rounds``; the rounds decide under the do-no-harm rule, and the event says
+   how far the margin was from the noise.  Where ``loss_fn`` and ``batches`` are given
    (and the optimizer), the plan that wins on speed must also pass the accuracy gate, the
    same paired trial as :func:`advisor.autotune`'s (:mod:`advisor.tuning.accuracy`): shadow copies
    from the current weights, with a clone of the optimizer, next to fp32 on those batches;
@@ -40,7 +41,11 @@ the model's forward calls, which every rank makes at the same step:
    again from the current weights on shadow copies (fp32 twice and the plan in use), first
    once training has run long enough to pay for one at ``retrial_share`` (3%) of its time,
    then as often as that share pays for; a plan shown behind fp32 beyond the tolerance (the
-   gap's 95% lower bound) backs off one level everywhere.
+   gap's 95% lower bound) backs off one level everywhere.  Where the first trial could not
+   prove the plan that won the race (too short to be powered), the trial goes on online
+   instead: in those slots, from the current weights, fp32 twice and that plan, as long as
+   the last trial said it needs; proven within the tolerance and faster to accuracy than the
+   baseline at the 95% bound, it is installed.
 6. **gain watch** (GraVAC-style): every ``watch_every`` steps the compression gain
    ``||C(g)|| / ||g||`` of each compressed segment is measured on that step's gradients,
    averaged over ranks and compared with the gain measured right after the decision; a
@@ -77,7 +82,7 @@ from advisor.runtime.monitor import DEFAULT_SAMPLE, DEFAULT_WINDOW, FidelityMoni
 from advisor.tuning.accuracy import AccuracyTrial, check_evaluate
 from advisor.tuning.online.observe import Observation
 from advisor.tuning.online.trial import Race
-from advisor.tuning.online.watch import Watch, is_lossy
+from advisor.tuning.online.watch import PendingProof, Watch, is_lossy
 from advisor.tuning.steps import (
     DEFAULT_CANDIDATES,
     DEFAULT_TRIAL_SHARE,
@@ -101,6 +106,8 @@ from policies.problem import TuningProblem
 from profilers.training_state import scales_per_coordinate
 
 log = logging.getLogger("advisor.tuning.online")
+#: an online proof may train each arm this many times the steps the last trial said it needs (an estimate)
+PROOF_MARGIN = 2
 
 
 @dataclass
@@ -121,9 +128,9 @@ class OnlineTuner:
     """
 
     def __init__(self, ddp: DistributedDataParallel, optimizer=None, *, candidates: Sequence[str] | None = None,
-                 observe_steps: int = 8, trial_steps: int = 4, top: int = 2, trials: int = 500,
+                 observe_steps: int = 8, trial_steps: int = 3, top: int = 2, trials: int = 500,
                  watch_every: int = 50, backoff: float = 0.8, budget: float | None = None,
-                 plan: Plan | None = None, trial_precision: float = 0.02, max_trial_steps: int | None = None,
+                 plan: Plan | None = None, trial_rounds: int = 3, max_trial_rounds: int = 8,
                  loss_z: float = 3.0, trend_steps: int = 0, loss_fn=None, batches: Iterable | None = None,
                  evaluate=None, held_out: Sequence | None = None, metric: str = "loss", trial_s: float | None = None,
                  expected_steps: int | None = None, trial_share: float = DEFAULT_TRIAL_SHARE,
@@ -131,9 +138,8 @@ class OnlineTuner:
                  fidelity_sample: int = DEFAULT_SAMPLE, fidelity_window: int = DEFAULT_WINDOW,
                  fidelity_drift: float = 3.0, retrial_share: float | None = 0.03, hook: CompressionHook | None = None,
                  group=None) -> None:
-        max_trial_steps = max_trial_steps if max_trial_steps is not None else 2 * trial_steps
         _check_arguments(ddp, optimizer, observe_steps, trial_steps, top, trials, watch_every, backoff,
-                         trial_precision, max_trial_steps, trend_steps, loss_z, loss_fn, batches, trial_s, evaluate,
+                         trial_rounds, max_trial_rounds, trend_steps, loss_z, loss_fn, batches, trial_s, evaluate,
                          expected_steps, trial_share, tolerance, fidelity_sample, fidelity_window, fidelity_drift,
                          retrial_share)
         self._gate_args = None if batches is None else dict(
@@ -141,10 +147,12 @@ class OnlineTuner:
             tolerance=tolerance, **trial_budget(expected_steps, trial_share, trial_s), **dict(trial_options or {}))
         #: the accuracy trial's report, where the gate ran (``loss_fn`` and ``batches`` given)
         self.accuracy = None
+        #: the race's measurements: every arm's round medians (slowest rank), paired by round; [] before it ends
+        self.measured: list = []
         self.candidates = candidate_labels(candidates or DEFAULT_CANDIDATES, budget)
         self.ddp, self.optimizer, self.group = ddp, optimizer, group
         self.observe_steps, self.top, self.trials, self.budget = observe_steps, top, trials, budget
-        self._race_settings = dict(min_steps=trial_steps, max_steps=max_trial_steps, precision=trial_precision)
+        self._race_settings = dict(steps=trial_steps, min_rounds=trial_rounds, max_rounds=max_trial_rounds)
         self._watch_settings = dict(every=watch_every, backoff=backoff, loss_z=loss_z, drift=fidelity_drift)
         self._retrial_share = retrial_share
         self._fidelity_settings = dict(sample=fidelity_sample, window=fidelity_window,
@@ -155,6 +163,7 @@ class OnlineTuner:
         self.losses: list[tuple[int, float, bool]] = []
         self._update = UpdateClock()
         self._problem: TuningProblem | None = None  # the search's problem, for the accuracy gate
+        self._unproven: PendingProof | None = None  # the fastest raced plan the gate could not prove
 
         #: whether close() stops the hook: not one the user installed and only lent to the watch
         self._owns_hook = hook is None
@@ -267,7 +276,7 @@ class OnlineTuner:
                 if self._phase.step_starts(now) == self.observe_steps:
                     self._profile_and_search()
             elif isinstance(self._phase, Race):
-                if self._phase.step_starts(now):
+                if self._phase.step_starts(now, say=lambda msg: log.info("step %d: %s", self.step, msg)):
                     self._decide()
             else:
                 self._phase.step_starts(self.step)
@@ -295,8 +304,10 @@ class OnlineTuner:
         self._problem = problem
         self._phase = Race(arms + [c for c in candidates if c not in left_out], self.hook, group=self.group,
                            **self._race_settings)
-        self._note("profiled", f"profile and search took {time.perf_counter() - t0:.1f} s; trying "
-                               f"{len(self._phase.arms)} plans for {self._phase.min_steps} steps each")
+        race = self._phase
+        self._note("profiled", f"profile and search took {time.perf_counter() - t0:.1f} s; racing {len(race.arms)} "
+                               f"plans in rounds of {race.steps_per_round} steps ({race.steps} timed an arm), "
+                               f"{race.min_rounds} to {race.max_rounds} rounds until decided")
         if left_out:
             self._note("unproven", f"{len(left_out)} compressed plan(s) left out of the race (the best predicted "
                                    f"{left_out[0].description}, {arms[0].predicted_s / left_out[0].predicted_s:.2f}x "
@@ -307,14 +318,16 @@ class OnlineTuner:
     def _decide(self) -> None:
         """Race -> watch: do no harm on the race's medians, then the accuracy gate."""
         race = self._phase
-        decision, checked, rejected = decide_time_to_accuracy(race.measurements(), self._accuracy_judge(race),
+        self.measured = race.measurements()
+        decision, checked, rejected = decide_time_to_accuracy(self.measured, self._accuracy_judge(race),
                                                               group=self.group)
         if checked and self.accuracy is not None:
             self._note("accuracy", f"{decision.chosen} passed the {self.accuracy.steps}-step paired trial: {checked}")
         elif self.accuracy is not None and decision.kind == FP32:
             self._note("accuracy", "no plan faster than fp32 passed the paired trial; fp32 stands")
         self.hook.set_plan(race.arms[decision.chosen].plan, reason=f"online decision: {decision.chosen}")
-        self._phase = self._watch(first_in=1)  # the reference gain on the next step
+        proof = self._unproven if not decision.compress and self._retrial_share is not None else None
+        self._phase = self._watch(first_in=1, proof=proof)  # the reference gain on the next step
         gain = 1 - 1 / decision.gain_vs_best_baseline if decision.gain_vs_best_baseline else 0.0
         noise = decision.margin
         if rejected and not decision.compress:
@@ -326,8 +339,16 @@ class OnlineTuner:
         else:
             sure = (f"not sure: the best compressed plan is {gain:.1%} faster, within the noise ({noise:.1%}), "
                     "so the baseline stands")
-        self._note("decided", f"{decision.reason} ({sure}; timed steps per plan: "
-                              + ", ".join(f"{k} {len(v)}" for k, v in race.times.items()) + ")")
+        self._note("decided", f"{decision.reason} ({sure}; race {race.ended}, {race.steps} timed steps an arm a "
+                              "round)")
+        if self._unproven is not None and not decision.compress:
+            p = self._unproven
+            self._note("unproven", f"{p.description} won the race ({p.step_speedup.describe()} per step vs "
+                                   f"{p.baseline}) but the {self.accuracy.steps}-step trial could not prove it; " + (
+                f"the trial goes on online: from the weights at step {self._phase.next_trial_at}, fp32 twice and the "
+                f"plan for about {PROOF_MARGIN * p.steps_needed} steps each, once training has paid for it at "
+                f"retrial_share={self._retrial_share:g} of its time" if proof is not None else
+                "retrial_share=None, so it is not trialled again"))
 
     def _accuracy_judge(self, race: Race):
         """``judge(decision) -> ArmResult`` of the paired trial from the current weights, or None (no gate).
@@ -340,15 +361,20 @@ class OnlineTuner:
                           lambda msg: log.info("step %d: %s", self.step, msg))
 
         def judge(decision):
-            arm = trial.judge_arm(race.arms[decision.chosen])
+            raced = race.arms[decision.chosen]
+            arm = trial.judge_arm(raced)
             self.accuracy = trial.trial.report()
+            if arm.status == gate.NOT_PROVEN and arm.kind == gate.CANDIDATE and self._unproven is None:
+                # the fastest plan the trial could not prove: the watch goes on trialling it
+                self._unproven = PendingProof(raced.label, raced.plan, raced.description, decision.step_speedup(),
+                                              decision.best_baseline, self.accuracy.steps_needed)
             if not arm.accepted:
                 self._note("accuracy", f"{decision.chosen} rejected: {arm.reason}")
             return arm
 
         return judge
 
-    def _watch(self, **where) -> Watch:
+    def _watch(self, proof: PendingProof | None = None, **where) -> Watch:
         monitor = None
         if self._fidelity_settings["sample"]:
             parameters = [(n, p) for n, p in self.ddp.module.named_parameters() if p.requires_grad]
@@ -359,16 +385,19 @@ class OnlineTuner:
             # else three arms of the first trial's length (or of twice the shortest proof)
             steps = self._gate_args.get("budget_steps") or 3 * (
                 self.accuracy.steps if self.accuracy is not None else 2 * gate.MIN_PROOF_STEPS)
+            if proof is not None:  # a proof's fp32 pair and plan, each as long as the last trial said it needs
+                steps = 3 * PROOF_MARGIN * proof.steps_needed
             retrial = dict(retrial=self._retrial, retrial_share=self._retrial_share,
-                           retrial_at=self.step + math.ceil(steps / self._retrial_share))
+                           retrial_at=self.step + math.ceil(steps / self._retrial_share), proof=proof,
+                           prove=self._prove)
         return Watch(self.ddp, self.hook, self.candidates, losses=self.losses, note=self._note, group=self.group,
                      monitor=monitor, **retrial, **self._watch_settings, **where)
 
     def _trial(self, **settings) -> AccuracyTrial:
         """A paired accuracy trial from the current weights, on the gate's data and budget."""
-        args = dict(self._gate_args)
+        args = {**self._gate_args, **settings}
         loss_fn, batches = args.pop("loss_fn"), args.pop("batches")
-        return AccuracyTrial(self.ddp, loss_fn, batches, self.optimizer, group=self.group, **args, **settings)
+        return AccuracyTrial(self.ddp, loss_fn, batches, self.optimizer, group=self.group, **args)
 
     def _retrial(self, plan: Plan):
         """The paired trial again, from the current weights: fp32 twice and ``plan`` (judged even unpowered)."""
@@ -376,6 +405,14 @@ class OnlineTuner:
         trial.start()
         kind = gate.CANDIDATE if is_lossy(plan) else gate.SIXTEEN_BIT
         arm = trial.trial("the plan in use", plan, kind, f"the plan in use ({plan.digest()})")
+        return arm, trial.report()
+
+    def _prove(self, proof: PendingProof):
+        """The paired trial from the current weights of a plan the first trial could not prove: fp32
+        twice and the plan, within :data:`PROOF_MARGIN` times the steps an arm the last trial said it needs."""
+        trial = self._trial(arms_expected=3, budget_steps=3 * PROOF_MARGIN * proof.steps_needed, time_budget_s=None)
+        trial.start()
+        arm = trial.trial(proof.label, proof.plan, gate.CANDIDATE, proof.description)
         return arm, trial.report()
 
 
@@ -410,21 +447,20 @@ class UpdateClock:
         return time.perf_counter() - self._t0 if not self._closure or self._marked else None
 
 
-def _check_arguments(ddp, optimizer, observe_steps, trial_steps, top, trials, watch_every, backoff, trial_precision,
-                     max_trial_steps, trend_steps, loss_z, loss_fn, batches, trial_s, evaluate, expected_steps,
+def _check_arguments(ddp, optimizer, observe_steps, trial_steps, top, trials, watch_every, backoff, trial_rounds,
+                     max_trial_rounds, trend_steps, loss_z, loss_fn, batches, trial_s, evaluate, expected_steps,
                      trial_share, tolerance, fidelity_sample, fidelity_window, fidelity_drift, retrial_share) -> None:
     """Refuse a bad argument before anything is installed, naming it and the allowed values."""
     if not isinstance(ddp, DistributedDataParallel):
         raise TypeError(f"wrap needs a DistributedDataParallel model, got {type(ddp).__name__}")
-    for name, value, minimum in (("observe_steps", observe_steps, 3), ("trial_steps", trial_steps, 2),
-                                 ("top", top, 1), ("trials", trials, 1), ("watch_every", watch_every, 1)):
+    for name, value, minimum in (("observe_steps", observe_steps, 3), ("trial_steps", trial_steps, 1),
+                                 ("trial_rounds", trial_rounds, 2), ("top", top, 1), ("trials", trials, 1),
+                                 ("watch_every", watch_every, 1)):
         check_int(name, value, minimum)
     if backoff is not None and not 0 < backoff <= 10:
         raise ValueError(f"backoff={backoff!r}; allowed: 0 < backoff <= 10 (a fraction of the reference gain), "
                          "or None to watch the loss only")
-    if not 0 < trial_precision < 1:
-        raise ValueError(f"trial_precision={trial_precision!r}; allowed: 0 < trial_precision < 1 (relative)")
-    check_int("max_trial_steps", max_trial_steps, trial_steps)
+    check_int("max_trial_rounds", max_trial_rounds, trial_rounds)
     check_int("trend_steps", trend_steps, 0)
     if not loss_z > 0:
         raise ValueError(f"loss_z={loss_z!r}; allowed: > 0 standard errors")
@@ -476,7 +512,8 @@ def wrap(ddp_model: DistributedDataParallel, optimizer=None, **kwargs) -> Online
     Args:
         ddp_model: the user's DDP model; call on every rank before the first training step.
         optimizer: the training optimizer (timed; cloned by the accuracy gate).
-        **kwargs: see :class:`OnlineTuner`: ``observe_steps``, ``trial_steps``, ``top``,
+        **kwargs: see :class:`OnlineTuner`: ``observe_steps``, ``trial_steps``, ``trial_rounds``,
+            ``max_trial_rounds``, ``top``,
             ``watch_every``, ``backoff``, ``candidates``, ``budget``, ``plan`` (only watch a
             given plan), ``hook`` (only watch the plan of a hook already installed, such as
             ``advisor.autotune``'s ``result.hook``), and for the accuracy gate ``loss_fn``, ``batches``, ``evaluate``,

@@ -6,6 +6,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -16,8 +17,9 @@ from advisor.core.collectives import every_rank, fastest, mean_over_ranks, slowe
 from advisor.runtime import CompressionHook, Plan
 from advisor.runtime.monitor import FidelityMonitor, FidelityReading
 from advisor.runtime.simulate import SimulatedRanks
+from policies import accuracy_gate as gate
 from policies.baselines import BASELINES
-from policies.evidence import one_sided_z
+from policies.evidence import Estimate, one_sided_z, time_to_accuracy
 
 WATCH = "watch"
 #: the smallest window error that counts as drift, whatever the reference: ratios of tiny errors
@@ -40,6 +42,28 @@ def loss_trend(steps: Sequence[float], losses: Sequence[float]) -> tuple[float, 
     return a, b, sigma
 
 
+#: how often a plan the first trial could not prove is trialled again online before the watch gives up on it
+MAX_PROOF_ATTEMPTS = 3
+
+
+@dataclass
+class PendingProof:
+    """A compressed plan that won the race on speed but that the first accuracy trial could not prove.
+
+    ``step_speedup``: its step speed-up over ``baseline`` measured in the race (95% bounds);
+    ``steps_needed``: about how many steps an arm the trial needs to be powered (the last
+    trial's estimate); ``attempts``: online trials run so far.
+    """
+
+    label: str
+    plan: Plan
+    description: str
+    step_speedup: Estimate
+    baseline: str
+    steps_needed: int
+    attempts: int = 0
+
+
 def is_lossy(plan: Plan) -> bool:
     """Whether the plan uses a config beyond the baselines: the loss watch follows those."""
     return any(c.label not in BASELINES for c in plan.configs())
@@ -56,7 +80,13 @@ class Watch:
     step ``retrial_at`` and then as often as ``retrial_share`` of the training time pays
     for, the paired trial runs again from the current weights on shadow copies (``retrial(plan)
     -> (ArmResult, AccuracyTrialReport)``); a plan shown behind fp32 beyond the tolerance (the
-    gap's 95% lower bound) backs off one level everywhere.  The next two run every ``every`` steps.
+    gap's 95% lower bound) backs off one level everywhere.  **Proof** (``proof``, a
+    :class:`PendingProof`): where the first trial could not prove the plan that won the race,
+    those slots go to proving it instead (``prove(proof) -> (ArmResult, report)``, a trial as
+    long as the last one said it needs); once proven within the tolerance, and faster to
+    accuracy than the baseline at the 95% bound (its race speed-up times its step efficiency),
+    it is installed; rejected, or still not proven after :data:`MAX_PROOF_ATTEMPTS` tries, it
+    is given up.  The next two run every ``every`` steps.
 
     **Gain** (GraVAC-style): the compression gain ``||C(g)|| / ||g||`` of each parameter under
     a lossy config, measured on that step's gradients and averaged over ranks, against the
@@ -79,7 +109,7 @@ class Watch:
                  note: Callable[[str, str], None], first_in: int = 1, pending: Plan | None = None,
                  pending_at: int = 0, monitor: FidelityMonitor | None = None, drift: float = 3.0,
                  retrial: Callable | None = None, retrial_at: int = 0, retrial_share: float = 0.03,
-                 group=None) -> None:
+                 proof: PendingProof | None = None, prove: Callable | None = None, group=None) -> None:
         self.ddp, self.hook, self.candidates, self.group = ddp, hook, list(candidates), group
         self.monitor, self.drift = monitor, drift
         #: every window the fidelity monitor read, in order
@@ -89,8 +119,9 @@ class Watch:
         #: configs each parameter has backed off from (never chosen again for it)
         self._left: dict[str, set[str]] = {}
         self.retrial, self.retrial_share, self._retrial_at = retrial, retrial_share, retrial_at
-        #: (step, plan digest, ArmResult) of every re-trial
+        #: (step, plan digest, ArmResult) of every re-trial and online proof
         self.retrials: list = []
+        self.proof, self.prove = (proof, prove) if retrial is not None else (None, None)
         self._clock: float | None = None
         self._trained_s, self._trained_steps = 0.0, 0
         self.every, self.backoff, self.loss_z = every, backoff, loss_z
@@ -111,6 +142,11 @@ class Watch:
     @property
     def plan(self) -> Plan:
         return self.hook.plan
+
+    @property
+    def next_trial_at(self) -> int:
+        """The step of the next re-trial or online proof (where the watch has the accuracy gate's data)."""
+        return self._retrial_at
 
     def step_starts(self, step: int) -> None:
         if self._pending is not None and step == self._pending_at:
@@ -163,28 +199,64 @@ class Watch:
 
     # --- the paired re-trial ------------------------------------------------------------------
     def _maybe_retrial(self, step: int) -> None:
-        """At the scheduled step (the same on every rank), re-trial the plan in use."""
+        """At the scheduled step (the same on every rank), prove the pending plan or re-trial the plan in use."""
         now = time.perf_counter()
         if self._clock is not None:
             self._trained_s, self._trained_steps = self._trained_s + now - self._clock, self._trained_steps + 1
         self._clock = now
-        if step < self._retrial_at or all(c.name == "none" for c in self.plan.configs()):
+        if step < self._retrial_at:
             return
-        plan = self.plan
-        arm, report = self.retrial(plan)
+        if self.proof is not None:
+            what, detail, then = "proof", *self._prove(step)
+        elif any(c.name != "none" for c in self.plan.configs()):
+            what, detail, then = "re-trial", *self._retrial(step)
+        else:
+            return
         cost_s, step_s = slowest([time.perf_counter() - now, self._trained_s / max(1, self._trained_steps)], self.group)
-        self.retrials.append((step, plan.digest(), arm))
         # the next one once training has run long enough that this one's cost is its share
         self._retrial_at = step + max(1, math.ceil(cost_s / (self.retrial_share * max(step_s, 1e-9))))
         self._trained_s, self._trained_steps, self._clock = 0.0, 0, time.perf_counter()
+        self.note(what, f"{detail} (from the weights at step {step}; {cost_s:.1f} s, next at step {self._retrial_at})")
+        if then is not None:
+            then()
+
+    def _retrial(self, step: int):
+        """The plan in use, trialled again: (what it showed, the back-off where it showed harm)."""
+        plan = self.plan
+        arm, report = self.retrial(plan)
+        self.retrials.append((step, plan.digest(), arm))
         low = arm.gap - one_sided_z() * report.se if arm.gap is not None else None
-        shown = arm.gap is not None and (not math.isfinite(arm.gap) or low > report.tolerance)
-        self.note("re-trial", f"{arm.reason} (from the weights at step {step}; {cost_s:.1f} s, next at step "
-                              f"{self._retrial_at})")
-        if shown:
-            params = [n for n, _ in self.ddp.module.named_parameters()]
-            moves = {n: (0.0, 1.0) for n in params if plan.config_for(n).name != "none"}
-            self._back_off(moves, why=f"the re-trial showed it {arm.gap:+.2%} behind fp32, at least {low:+.2%}")
+        if not (arm.gap is not None and (not math.isfinite(arm.gap) or low > report.tolerance)):
+            return arm.reason, None
+        params = [n for n, _ in self.ddp.module.named_parameters()]
+        moves = {n: (0.0, 1.0) for n in params if plan.config_for(n).name != "none"}
+        why = f"the re-trial showed it {arm.gap:+.2%} behind fp32, at least {low:+.2%}"
+        return arm.reason, lambda: self._back_off(moves, why=why)
+
+    def _prove(self, step: int):
+        """The pending plan, trialled for as long as the last trial said it needs: (what it showed,
+        the switch to it where it was proven faster to accuracy)."""
+        proof = self.proof
+        proof.attempts += 1
+        arm, report = self.prove(proof)
+        self.retrials.append((step, proof.plan.digest(), arm))
+        if arm.status == gate.NOT_PROVEN:
+            proof.steps_needed = max(proof.steps_needed, report.steps_needed)
+            if proof.attempts < MAX_PROOF_ATTEMPTS:
+                return f"{arm.reason}; tried again with {proof.steps_needed} steps an arm", None
+            self.proof = None
+            return f"{arm.reason}; given up after {proof.attempts} online trials", None
+        self.proof = None
+        if arm.status == gate.REJECTED:
+            return f"{arm.reason}; given up", None
+        efficiency = arm.efficiency_estimate()
+        tta = time_to_accuracy(proof.step_speedup, efficiency) if efficiency is not None else None
+        if tta is None or not tta.lower() > 1:
+            faster = f"{tta.describe()} vs {proof.baseline} (95% bounds)" if tta else "unreadable (fp32's curve is flat)"
+            return f"{arm.reason}; but its time to accuracy {faster} is not shown faster: not installed", None
+        detail = (f"{arm.reason}; time to accuracy {tta.describe()} vs {proof.baseline} (step speed-up "
+                  f"{proof.step_speedup.describe()} x step efficiency, 95% bounds): proven online, installed")
+        return detail, lambda: self._set(proof.plan, reason=f"proven online: {proof.description}")
 
     # --- the compression gain -------------------------------------------------------------
     def _measure_gains_on_this_step(self) -> None:
@@ -277,9 +349,7 @@ class Watch:
             moves.setdefault((current.label, softer.label), []).append(gain / ref)
         new_plan = Plan.from_assignments({n: c for n, c in assignments.items() if c != "none"}, warmup_steps=0,
                                          kernel_forms=self.plan.kernel_forms)
-        self.hook.set_plan(new_plan, reason="online back-off", verify=False)
-        self._reference_gain.clear()  # measured again under the new plan on the next watch
-        self._fidelity_reference, self._fidelity_strikes = None, 0
+        self._set(new_plan, reason="online back-off")
         if why:
             self.note("back-off", "; ".join(f"{a} -> {b} on {len(r)} parameter(s) ({why})"
                                             for (a, b), r in moves.items()))
@@ -287,6 +357,12 @@ class Watch:
         self.note("back-off", "; ".join(
             f"{a} -> {b} on {len(r)} parameter(s) (gain fell to {min(r):.2f}-{max(r):.2f} of its reference; "
             f"threshold {self.backoff:g})" for (a, b), r in moves.items()))
+
+    def _set(self, plan: Plan, reason: str) -> None:
+        """Change the plan; its gains and fidelity are measured anew under it."""
+        self.hook.set_plan(plan, reason=reason, verify=False)
+        self._reference_gain.clear()  # measured again under the new plan on the next watch
+        self._fidelity_reference, self._fidelity_strikes = None, 0
 
     def _less_compression(self, current: CompressorConfig, layout: SegmentLayout,
                           left: set[str] = frozenset()) -> CompressorConfig:

@@ -1,0 +1,109 @@
+"""The online race: the arms take turns in interleaved rounds and it stops once the decision is settled."""
+
+import numpy as np
+import pytest
+
+from advisor.runtime import Plan
+from advisor.tuning.online.trial import TRIAL_SETTLE, Race
+from advisor.tuning.steps import Arm
+from policies.do_no_harm import CANDIDATE, FP32, SIXTEEN_BIT, decide
+
+
+class RecordingHook:
+    """Stands in for the CompressionHook: the race only sets plans on it."""
+
+    def __init__(self):
+        self.plan = None
+        self.reasons = []
+
+    def set_plan(self, plan, reason="", verify=True):
+        self.plan = plan
+        self.reasons.append(reason)
+
+
+def arm(label, kind, config):
+    return Arm(label, kind, Plan.uniform(config, warmup_steps=0), np.zeros(1, dtype=int), label, 0.1)
+
+
+ARMS = [arm("fp32", FP32, "none"), arm("fp16", SIXTEEN_BIT, "fp16"), arm("c1", CANDIDATE, "powersgd(rank=4)")]
+
+
+def run_race(race, hook, step_s, max_steps=500):
+    """Drive the race as the tuner does: a step's time is ``step_s(label, round, i)`` for the arm in use.
+
+    Returns the number of steps the race took.
+    """
+    labels = {id(a.plan): a.label for a in ARMS}
+    now = 0.0
+    race.start(now)
+    for i in range(max_steps):
+        now += step_s(labels[id(hook.plan)], race.rounds, i)
+        if race.step_starts(now):
+            return i + 1
+    raise AssertionError("the race never ended")
+
+
+def test_each_round_gives_every_arm_a_settling_step_and_its_timed_steps_in_turn():
+    hook = RecordingHook()
+    race = Race(ARMS, hook, steps=3, min_rounds=3, max_rounds=3)
+    seen = []
+
+    def step_s(label, r, i):
+        seen.append(label)
+        return {"fp32": 0.200, "fp16": 0.150, "c1": 0.100}[label]
+
+    steps = run_race(race, hook, step_s)
+    assert steps == 3 * race.steps_per_round == 3 * 3 * (TRIAL_SETTLE + 3)
+    assert seen[: race.steps_per_round] == ["fp32"] * 4 + ["fp16"] * 4 + ["c1"] * 4
+    assert {k: pytest.approx(v) for k, v in race.round_s.items()} == {"fp32": [0.2] * 3, "fp16": [0.15] * 3, "c1": [0.1] * 3}
+    assert len(hook.reasons) == 9 and hook.reasons[3] == "online race: fp32, round 2"
+
+
+def test_the_settling_step_is_left_out_of_the_timing():
+    hook = RecordingHook()
+    race = Race(ARMS[:2], hook, steps=2, min_rounds=2, max_rounds=2)
+    # each arm's first step under its plan costs ten times more: it must not move the medians
+    counts = {}
+
+    def step_s(label, r, i):
+        counts[(label, r)] = counts.get((label, r), 0) + 1
+        return (1.0 if counts[(label, r)] == 1 else 0.1) * (2 if label == "fp32" else 1)
+
+    run_race(race, hook, step_s)
+    assert {k: pytest.approx(v) for k, v in race.round_s.items()} == {"fp32": [0.2, 0.2], "fp16": [0.1, 0.1]}
+
+
+def test_a_clear_race_stops_after_its_first_rounds_and_a_close_one_runs_to_its_limit():
+    rng = np.random.default_rng(0)
+
+    def clear(label, r, i):
+        return {"fp32": 0.200, "fp16": 0.150, "c1": 0.080}[label] * (1 + 0.01 * rng.standard_normal())
+
+    hook = RecordingHook()
+    race = Race(ARMS, hook, steps=3, min_rounds=3, max_rounds=8)
+    run_race(race, hook, clear)
+    assert race.rounds == 3 and race.ended == "decided after 3 rounds"
+    assert decide(race.measurements()).chosen == "c1"
+
+    # the candidate is 15% faster than fp16 in even rounds and 8% slower in odd ones: about 4% faster
+    # on average, too unsteady to settle in 6 rounds
+    def close(label, r, i):
+        return 0.150 * (0.85 if r % 2 == 0 else 1.08) if label == "c1" else {"fp32": 0.200, "fp16": 0.150}[label]
+
+    hook = RecordingHook()
+    race = Race(ARMS, hook, steps=3, min_rounds=3, max_rounds=6)
+    run_race(race, hook, close)
+    assert race.rounds == 6 and "unresolved after 6 rounds" in race.ended
+
+
+def test_rounds_pair_the_arms_so_drift_between_rounds_cancels():
+    # every round is 30% slower than the last, and the candidate is 10% faster within each
+    def drifting(label, r, i):
+        return {"fp32": 0.100, "fp16": 0.100, "c1": 0.090}[label] * 1.3 ** r
+
+    hook = RecordingHook()
+    race = Race(ARMS, hook, steps=2, min_rounds=3, max_rounds=8)
+    run_race(race, hook, drifting)
+    decision = decide(race.measurements())
+    assert race.rounds == 3 and decision.chosen == "c1"
+    assert abs(decision.gain_vs_best_baseline - 1 / 0.9) < 1e-6 and decision.margin < 1e-6
