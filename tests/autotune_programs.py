@@ -396,3 +396,43 @@ def monitored_after_warmup(rank: int, world_size: int):
     monitor.close()
     hook.close()
     return readings
+
+
+def proving_online_loop(rank: int, world_size: int, steps: int, kwargs: dict):
+    """A noisy wide linear regression under wrap with the accuracy gate: learning is steady and two
+    fp32 runs in different batch orders stay close, so a long enough trial is powered.
+
+    Every batch is drawn from the same distribution; the gate gets this rank's stream of them
+    and held-out batches of its own.
+    """
+    torch.manual_seed(0)
+    teacher, student = nn.Linear(1024, 256), nn.Linear(1024, 256)
+    ddp = DDP(student)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.02, momentum=0.9)
+
+    def batch(g):
+        x = torch.randn(32, 1024, generator=g)
+        with torch.no_grad():
+            return x, teacher(x) + 0.5 * torch.randn(32, 256, generator=g)
+
+    def loss_fn(model, b):
+        return nn.functional.mse_loss(model(b[0]), b[1])
+
+    def stream():
+        g = torch.Generator().manual_seed(100 + rank)
+        while True:
+            yield batch(g)
+
+    held = [batch(torch.Generator().manual_seed(1000 + i)) for i in range(4)]
+    tuner = advisor.wrap(ddp, opt, loss_fn=loss_fn, batches=stream(), held_out=held, **kwargs)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = loss_fn(ddp, batch(g))
+        loss.backward()
+        opt.step()
+    out = {"events": [(e.step, e.what, e.detail) for e in tuner.events], "digest": tuner.plan.digest(),
+           "plan": tuner.plan.to_dict(), "phase": tuner.phase,
+           "history": [reason for _, _, reason in tuner.hook.plan_history]}
+    tuner.close()
+    return out

@@ -217,6 +217,33 @@ def test_wraps_accuracy_gate_rejects_a_harmful_plan_that_wins_on_speed_and_takes
     assert Plan.from_dict(out[0]["plan"]).default.label in ("fp16", "none"), decided
 
 
+@pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+def test_wrap_goes_on_proving_online_a_plan_its_first_trial_was_too_short_for_and_installs_it_once_proven():
+    from autotune_programs import proving_online_loop
+
+    from advisor.runtime import Plan
+
+    # a run of 4,000 steps: 2% of it is 80 trial steps over 4 arms, 20 an arm, under the 40 any proof needs
+    kwargs = {"observe_steps": 5, "trial_steps": 2, "trial_rounds": 2, "max_trial_rounds": 3, "top": 1,
+              "trials": 200, "candidates": ["none", "qsgd(bits=8)"], "budget": 1.0, "expected_steps": 4000,
+              "retrial_share": 1.0, "fidelity_sample": 0}
+    with EmulatedCluster(hosts=2, rate="100mbit") as cluster:
+        out = cluster.run(proving_online_loop, (300, kwargs), timeout=600)
+    assert out[0]["events"] == out[1]["events"] and out[0]["digest"] == out[1]["digest"]
+    events = out[0]["events"]
+    decided = next(d for _, w, d in events if w == "decided")
+    assert "qsgd(bits=8) everywhere: not proven" in decided and "a compressed plan is proven only after 40 steps" in decided
+    unproven = next(d for _, w, d in events if w == "unproven")
+    assert "won the race" in unproven and "the trial goes on online" in unproven
+    at = int(unproven.split("from the weights at step ")[1].split(",")[0])
+    proofs = [(step, d) for step, w, d in events if w == "proof"]
+    assert proofs and proofs[0][0] == at, events
+    # near-lossless 8-bit quantisation on a steadily learning task: the longer trial proves it
+    assert "within the tolerance" in proofs[0][1] and "proven online, installed" in proofs[0][1], proofs
+    assert Plan.from_dict(out[0]["plan"]).config_for("weight").label == "qsgd(bits=8)"
+    assert out[0]["history"][-1] == "proven online: qsgd(bits=8) everywhere"
+
+
 def test_wraps_accuracy_gate_needs_loss_fn_batches_and_the_optimizer():
     from autotune_programs import bad_gate_arguments
 

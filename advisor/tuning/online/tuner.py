@@ -82,7 +82,7 @@ from advisor.runtime.monitor import DEFAULT_SAMPLE, DEFAULT_WINDOW, FidelityMoni
 from advisor.tuning.accuracy import AccuracyTrial, check_evaluate
 from advisor.tuning.online.observe import Observation
 from advisor.tuning.online.trial import Race
-from advisor.tuning.online.watch import PendingProof, Watch, is_lossy
+from advisor.tuning.online.watch import MAX_PROOF_ATTEMPTS, PendingProof, Watch, is_lossy
 from advisor.tuning.steps import (
     DEFAULT_CANDIDATES,
     DEFAULT_TRIAL_SHARE,
@@ -106,8 +106,6 @@ from policies.problem import TuningProblem
 from profilers.training_state import scales_per_coordinate
 
 log = logging.getLogger("advisor.tuning.online")
-#: an online proof may train each arm this many times the steps the last trial said it needs (an estimate)
-PROOF_MARGIN = 2
 
 
 @dataclass
@@ -164,6 +162,7 @@ class OnlineTuner:
         self._update = UpdateClock()
         self._problem: TuningProblem | None = None  # the search's problem, for the accuracy gate
         self._unproven: PendingProof | None = None  # the fastest raced plan the gate could not prove
+        self._verdicts: list[str] = []  # the gate's verdict on each plan it judged
 
         #: whether close() stops the hook: not one the user installed and only lent to the watch
         self._owns_hook = hook is None
@@ -331,7 +330,10 @@ class OnlineTuner:
         gain = 1 - 1 / decision.gain_vs_best_baseline if decision.gain_vs_best_baseline else 0.0
         noise = decision.margin
         if rejected and not decision.compress:
-            sure = f"sure on accuracy: {len(rejected)} faster plan(s) fell behind fp32 in the paired trial"
+            said = {gate.REJECTED: "fell behind fp32 in the paired trial", gate.NOT_PROVEN: "could not be proven by it",
+                    gate.ACCEPTED: "were proven but not faster to accuracy"}
+            sure = "sure on accuracy: " + ", ".join(f"{self._verdicts.count(status)} faster plan(s) {text}"
+                                                    for status, text in said.items() if status in self._verdicts)
         elif decision.compress:
             sure = f"sure: {gain:.1%} faster, {gain / max(noise, 1e-9):.1f}x the noise ({noise:.1%})"
         elif gain <= 0:
@@ -346,8 +348,8 @@ class OnlineTuner:
             self._note("unproven", f"{p.description} won the race ({p.step_speedup.describe()} per step vs "
                                    f"{p.baseline}) but the {self.accuracy.steps}-step trial could not prove it; " + (
                 f"the trial goes on online: from the weights at step {self._phase.next_trial_at}, fp32 twice and the "
-                f"plan for about {PROOF_MARGIN * p.steps_needed} steps each, once training has paid for it at "
-                f"retrial_share={self._retrial_share:g} of its time" if proof is not None else
+                f"plan for up to {p.arm_steps} steps each (doubled at each try, {MAX_PROOF_ATTEMPTS} tries at most), "
+                f"as training pays for it at retrial_share={self._retrial_share:g} of its time" if proof is not None else
                 "retrial_share=None, so it is not trialled again"))
 
     def _accuracy_judge(self, race: Race):
@@ -359,15 +361,22 @@ class OnlineTuner:
             return unprovable("wrap was given no loss_fn and batches")
         trial = LazyTrial(self._trial(arms_expected=2 + len(race.arms) - 1), self._problem,
                           lambda msg: log.info("step %d: %s", self.step, msg))
+        statuses = self._verdicts
 
         def judge(decision):
             raced = race.arms[decision.chosen]
             arm = trial.judge_arm(raced)
             self.accuracy = trial.trial.report()
+            if arm.kind == gate.CANDIDATE:  # a cast is a baseline, not a faster plan left out
+                statuses.append(arm.status)
             if arm.status == gate.NOT_PROVEN and arm.kind == gate.CANDIDATE and self._unproven is None:
                 # the fastest plan the trial could not prove: the watch goes on trialling it
+                # what the trial said it needs, at least twice the shortest proof, at most twice this trial (a
+                # short trial's estimate can be wild): later tries double it
+                shortest = 2 * gate.MIN_PROOF_STEPS
+                steps = min(max(self.accuracy.steps_needed, shortest), max(2 * self.accuracy.steps, shortest))
                 self._unproven = PendingProof(raced.label, raced.plan, raced.description, decision.step_speedup(),
-                                              decision.best_baseline, self.accuracy.steps_needed)
+                                              decision.best_baseline, steps)
             if not arm.accepted:
                 self._note("accuracy", f"{decision.chosen} rejected: {arm.reason}")
             return arm
@@ -385,8 +394,8 @@ class OnlineTuner:
             # else three arms of the first trial's length (or of twice the shortest proof)
             steps = self._gate_args.get("budget_steps") or 3 * (
                 self.accuracy.steps if self.accuracy is not None else 2 * gate.MIN_PROOF_STEPS)
-            if proof is not None:  # a proof's fp32 pair and plan, each as long as the last trial said it needs
-                steps = 3 * PROOF_MARGIN * proof.steps_needed
+            if proof is not None:  # a proof's fp32 pair and plan
+                steps = 3 * proof.arm_steps
             retrial = dict(retrial=self._retrial, retrial_share=self._retrial_share,
                            retrial_at=self.step + math.ceil(steps / self._retrial_share), proof=proof,
                            prove=self._prove)
@@ -409,8 +418,8 @@ class OnlineTuner:
 
     def _prove(self, proof: PendingProof):
         """The paired trial from the current weights of a plan the first trial could not prove: fp32
-        twice and the plan, within :data:`PROOF_MARGIN` times the steps an arm the last trial said it needs."""
-        trial = self._trial(arms_expected=3, budget_steps=3 * PROOF_MARGIN * proof.steps_needed, time_budget_s=None)
+        twice and the plan, each for up to ``proof.arm_steps`` steps."""
+        trial = self._trial(arms_expected=3, budget_steps=3 * proof.arm_steps, time_budget_s=None)
         trial.start()
         arm = trial.trial(proof.label, proof.plan, gate.CANDIDATE, proof.description)
         return arm, trial.report()

@@ -51,8 +51,8 @@ class PendingProof:
     """A compressed plan that won the race on speed but that the first accuracy trial could not prove.
 
     ``step_speedup``: its step speed-up over ``baseline`` measured in the race (95% bounds);
-    ``steps_needed``: about how many steps an arm the trial needs to be powered (the last
-    trial's estimate); ``attempts``: online trials run so far.
+    ``arm_steps``: how many steps an arm the next online trial may train (it stops sooner
+    once powered); ``attempts``: online trials run so far.
     """
 
     label: str
@@ -60,7 +60,7 @@ class PendingProof:
     description: str
     step_speedup: Estimate
     baseline: str
-    steps_needed: int
+    arm_steps: int
     attempts: int = 0
 
 
@@ -82,8 +82,8 @@ class Watch:
     -> (ArmResult, AccuracyTrialReport)``); a plan shown behind fp32 beyond the tolerance (the
     gap's 95% lower bound) backs off one level everywhere.  **Proof** (``proof``, a
     :class:`PendingProof`): where the first trial could not prove the plan that won the race,
-    those slots go to proving it instead (``prove(proof) -> (ArmResult, report)``, a trial as
-    long as the last one said it needs); once proven within the tolerance, and faster to
+    those slots go to proving it instead (``prove(proof) -> (ArmResult, report)``, a trial of up
+    to ``proof.arm_steps`` steps an arm, twice as long at each try); once proven within the tolerance, and faster to
     accuracy than the baseline at the 95% bound (its race speed-up times its step efficiency),
     it is installed; rejected, or still not proven after :data:`MAX_PROOF_ATTEMPTS` tries, it
     is given up.  The next two run every ``every`` steps.
@@ -241,9 +241,10 @@ class Watch:
         arm, report = self.prove(proof)
         self.retrials.append((step, proof.plan.digest(), arm))
         if arm.status == gate.NOT_PROVEN:
-            proof.steps_needed = max(proof.steps_needed, report.steps_needed)
+            # a short trial's estimate of the length it needs is itself noisy: each try doubles it instead
+            proof.arm_steps *= 2
             if proof.attempts < MAX_PROOF_ATTEMPTS:
-                return f"{arm.reason}; tried again with {proof.steps_needed} steps an arm", None
+                return f"{arm.reason}; tried again with up to {proof.arm_steps} steps an arm", None
             self.proof = None
             return f"{arm.reason}; given up after {proof.attempts} online trials", None
         self.proof = None
