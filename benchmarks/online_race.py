@@ -66,7 +66,7 @@ def job(rank: int, world: int, where: str, spec: str, repeats: int, steps: int) 
                     n += 1
                 measured = {m.description or m.label: m.round_s for m in wrapped.measured}
                 rounds = len(next(iter(measured.values()), []))
-                advice = wrapped.plan.digest() if wrapped.phase == "watch" else f"undecided after {n} steps"
+                advice = wrapped.decision.chosen if wrapped.phase == "watch" else f"undecided after {n} steps"
                 wrapped.close()
             calls.append({"tuner": tuner, "call": i, "measured": measured, "rounds": rounds, "advice": advice,
                           "seconds": time.perf_counter() - t0})

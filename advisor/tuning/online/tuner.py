@@ -147,6 +147,8 @@ class OnlineTuner:
         self.accuracy = None
         #: the race's measurements: every arm's round medians (slowest rank), paired by round; [] before it ends
         self.measured: list = []
+        #: the race's decision (:class:`policies.do_no_harm.Decision`), once it ended
+        self.decision = None
         self.candidates = candidate_labels(candidates or DEFAULT_CANDIDATES, budget)
         self.ddp, self.optimizer, self.group = ddp, optimizer, group
         self.observe_steps, self.top, self.trials, self.budget = observe_steps, top, trials, budget
@@ -320,6 +322,7 @@ class OnlineTuner:
         self.measured = race.measurements()
         decision, checked, rejected = decide_time_to_accuracy(self.measured, self._accuracy_judge(race),
                                                               group=self.group)
+        self.decision = decision
         if checked and self.accuracy is not None:
             self._note("accuracy", f"{decision.chosen} passed the {self.accuracy.steps}-step paired trial: {checked}")
         elif self.accuracy is not None and decision.kind == FP32:
