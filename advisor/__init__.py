@@ -32,12 +32,18 @@ def __getattr__(name: str):
         from advisor.runtime.sharded import install_sharded
 
         return install_sharded
+    if name in ("autotune_sharded", "ShardedAutotuneResult"):
+        from advisor.tuning import sharded
+
+        return getattr(sharded, name)
     raise AttributeError(f"module 'advisor' has no attribute {name!r}")
 
 
 __all__ = [
     "ddp_for",
     "install_sharded",
+    "autotune_sharded",
+    "ShardedAutotuneResult",
     "AutotuneResult",
     "CompressionHook",
     "FidelityMonitor",

@@ -108,3 +108,82 @@ def install_expecting_error(rank: int, world_size: int, case: str):
     except (ValueError, TypeError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return "installed"
+
+
+class WideBlocks(nn.Module):
+    """Blocks wide enough that their reduce-scatters cost something: a student of a fixed teacher."""
+
+    def __init__(self, dim: int = 64, hidden: int = 256) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, dim))
+                                    for _ in range(3))
+        self.head = nn.Linear(dim, 10)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def _wide_sharded(seed: int = 0):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = WideBlocks()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def _teacher_batches(rank: int, count: int, seed: int = 0):
+    """Learnable batches: labels from a fixed random teacher."""
+    teacher = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10))
+    torch.manual_seed(1234)
+    for p in teacher.parameters():
+        nn.init.normal_(p, std=0.5)
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    out = []
+    for _ in range(count):
+        x = torch.randn(32, 64, generator=g)
+        with torch.no_grad():
+            out.append((x, teacher(x).argmax(dim=1)))
+    return out
+
+
+def _cross_entropy(model, batch):
+    return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+
+def autotune_wide(rank: int, world_size: int, kwargs: dict, build: str = "same"):
+    """autotune_sharded on the wide blocks: the result, whether the model and optimizer ended as they
+    began, the comms installed, and the parameters after training on under the advice."""
+    from advisor.runtime.sharded import sharded_groups
+    from advisor.tuning.sharded import ShardedAutotuneResult, autotune_sharded
+
+    model = _wide_sharded()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batches = _teacher_batches(rank, 48)
+    first = batches[0]
+    opt.zero_grad()
+    _cross_entropy(model, first).backward()
+    opt.step()  # momentum state to keep
+    before = {n: _local(p) for n, p in model.named_parameters()}
+    state = {n: _local(opt.state[p]["momentum_buffer"]) for n, p in model.named_parameters()}
+    makers = {"same": _wide_sharded, "other": _sharded, "none": None}
+    try:
+        result = autotune_sharded(model, _cross_entropy, batches, opt, build=makers[build], **kwargs)
+    except (ValueError, TypeError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    kept = all(torch.equal(before[n], _local(p)) for n, p in model.named_parameters()) and all(
+        torch.equal(state[n], _local(opt.state[p]["momentum_buffer"])) for n, p in model.named_parameters())
+    comms = {name: type(module._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm).__name__
+             for name, module, _ in sharded_groups(model)}
+    for b in batches[:3]:
+        opt.zero_grad()
+        _cross_entropy(model, b).backward()
+        opt.step()
+    full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    again = ShardedAutotuneResult.from_json(result.to_json())
+    return {"error": None, "result": result.to_dict(), "round_trip": again.to_dict() == result.to_dict(),
+            "kept": kept, "comms": comms, "full": full, "summary": result.summary()}

@@ -17,7 +17,9 @@ receives, so every value crosses the wire once):
   (unbiased, so no residual is kept: error feedback on a sharded model would cost the memory
   sharding saves) and one fp32 scale, dequantised and summed in fp32.
 
-Plan ``none`` on a group installs nothing there: FSDP's own path runs untouched.  Non-finite
+Plan ``none`` on a group installs nothing there: FSDP's own path runs untouched, unless the
+plan's metadata asks for the exact all-to-all instead (``{EXACT_FP32: "all-to-all"}``: where it
+measured faster than gloo's own, autotune advises it so).  Non-finite
 gradient values are zeroed before encoding (a quantiser's block scale would carry them to every
 value of the block), counted, and logged; training state is never lost.
 """
@@ -44,6 +46,9 @@ log = logging.getLogger("advisor.runtime")
 BLOCK = 256
 #: the configs a sharded group can run, as the registry labels them
 SHARDED_CONFIGS = ("none", "fp16", "bf16", "intquant(bits=8)")
+#: plan metadata key: ``"all-to-all"`` runs the groups whose config is ``none`` through
+#: :class:`ExactReduceScatter` (fp32, exact) instead of FSDP's own reduce-scatter
+EXACT_FP32 = "sharded_fp32"
 
 
 def _fsdp():
@@ -196,6 +201,54 @@ def sharded_groups(model: torch.nn.Module) -> list[tuple[str, Any, tuple[str, ..
     return found
 
 
+def group_numel(module) -> int:
+    """How many values a ``fully_shard`` module's reduce-scatter takes in: every rank's row of
+    every parameter's (padded) shard."""
+    state = module._get_fsdp_state()
+    fsdp_params = [fp for g in state._fsdp_param_groups for fp in g.fsdp_params]
+    world = state._fsdp_param_groups[0].mesh_info.shard_mesh_size if state._fsdp_param_groups else 1
+    return world * sum(fp.padded_sharded_param_size.numel() for fp in fsdp_params)
+
+
+def _group_plan(plan: Plan, found) -> list[ShardedGroup]:
+    """One :class:`ShardedGroup` per found group with the config ``plan`` gives it (and its comm).
+
+    Raises:
+        ValueError: a plan naming parameters the model lacks, splitting a group between configs,
+            or giving a group a config that cannot run sharded.
+    """
+    plan.check_against(n for _, _, params in found for n in params)
+    exact = plan.metadata.get(EXACT_FP32)
+    if exact not in (None, "all-to-all"):
+        raise ValueError(f"plan metadata {EXACT_FP32}={exact!r}; allowed: 'all-to-all' (the exact fp32 "
+                         "reduce-scatter where the config is none), or leave it out (FSDP's own)")
+    groups = []
+    for prefix, _, params in found:
+        configs = {plan.config_for(n).label: plan.config_for(n) for n in params}
+        if len(configs) > 1:
+            raise ValueError(f"plan gives fully_shard group {prefix or '(root)'!r} several configs "
+                             f"({', '.join(sorted(configs))}); a group's gradients cross in one reduce-scatter: "
+                             "give all its parameters one config")
+        config = next(iter(configs.values()))
+        comm = comm_for(config, prefix or "(root)", plan.seed)
+        if comm is None and exact:
+            comm = ExactReduceScatter(torch.float32, prefix or "(root)")
+        groups.append(ShardedGroup(prefix, params, config, comm))
+    return groups
+
+
+def _agree(error: str | None, digest: str | None, group, what: str) -> None:
+    """Every rank's error (or plan digest) seen by every rank: raise the same error on all of them."""
+    everyone = every_rank({"error": error, "digest": digest}, group) if dist.is_initialized() else [
+        {"error": error, "digest": digest}]
+    errors = [f"rank {r}: {e['error']}" for r, e in enumerate(everyone) if e["error"]]
+    if errors:
+        raise ValueError(f"cannot {what}: " + "; ".join(errors))
+    if len({e["digest"] for e in everyone}) > 1:
+        raise ValueError(f"ranks hold different plans (digests by rank: {[e['digest'] for e in everyone]}); "
+                         "give every rank the same plan file")
+
+
 def install_sharded(model: torch.nn.Module, plan: Plan | Mapping[str, Any] | str | Path,
                     group=None) -> list[ShardedGroup]:
     """Set each ``fully_shard`` group's reduce-scatter to what ``plan`` says; every rank calls it.
@@ -214,36 +267,21 @@ def install_sharded(model: torch.nn.Module, plan: Plan | Mapping[str, Any] | str
             a config a sharded group cannot run, per-parameter meshes, or a reduce-scatter that
             something else already replaced.
     """
-    error, groups = None, []
+    error, groups, digest = None, [], None
     try:
         plan = as_plan(plan)
         found = sharded_groups(model)
-        plan.check_against(n for _, _, params in found for n in params)
+        groups = _group_plan(plan, found)
         _, _, defaults = _fsdp()
-        for prefix, module, params in found:
-            configs = {plan.config_for(n).label: plan.config_for(n) for n in params}
-            if len(configs) > 1:
-                raise ValueError(f"plan gives fully_shard group {prefix or '(root)'!r} several configs "
-                                 f"({', '.join(sorted(configs))}); a group's gradients cross in one reduce-scatter: "
-                                 "give all its parameters one config")
-            config = next(iter(configs.values()))
-            comm = comm_for(config, prefix or "(root)", plan.seed)
+        for (prefix, module, _), sharded in zip(found, groups):
             current = module._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm
-            if comm is not None and not isinstance(current, defaults):
+            if sharded.comm is not None and not isinstance(current, defaults):
                 raise ValueError(f"fully_shard group {prefix or '(root)'!r} already has a custom reduce-scatter "
                                  f"({type(current).__name__}); the advisor sets its own: build the model without it")
-            groups.append(ShardedGroup(prefix, params, config, comm))
         digest = plan.digest()
     except (ValueError, TypeError) as exc:
-        error, digest = f"{type(exc).__name__}: {exc}", None
-    everyone = every_rank({"error": error, "digest": digest}, group) if dist.is_initialized() else [
-        {"error": error, "digest": digest}]
-    errors = [f"rank {r}: {e['error']}" for r, e in enumerate(everyone) if e["error"]]
-    if errors:
-        raise ValueError("cannot install the plan on the sharded model: " + "; ".join(errors))
-    if len({e["digest"] for e in everyone}) > 1:
-        raise ValueError(f"ranks hold different plans (digests by rank: {[e['digest'] for e in everyone]}); "
-                         "give every rank the same plan file")
+        error = f"{type(exc).__name__}: {exc}"
+    _agree(error, digest, group, "install the plan on the sharded model")
     for (_, module, _), sharded in zip(found, groups):
         if sharded.comm is not None:
             module.set_custom_reduce_scatter(sharded.comm)
@@ -251,6 +289,40 @@ def install_sharded(model: torch.nn.Module, plan: Plan | Mapping[str, Any] | str
             # for PREMUL_SUM (gloo refuses it) under a custom divide factor
             module.set_force_sum_reduction_for_comms(True)
     return groups
+
+
+class ShardedSwitch:
+    """Switches a sharded model's groups between plans while it trains, and back (the live measurement).
+
+    :meth:`set` gives each group its plan's reduce-scatter, or FSDP's own where the config is
+    ``none``; :meth:`restore` puts back what every group had when the switch was made.  Every
+    rank calls each method with the same plan (checked, on every rank).
+    """
+
+    def __init__(self, model: torch.nn.Module, group=None) -> None:
+        self.found = sharded_groups(model)
+        self.group = group
+        self._saved = [(pg, pg._reduce_scatter_comm, pg.force_sum_reduction_for_comms)
+                       for _, module, _ in self.found for pg in module._get_fsdp_state()._fsdp_param_groups]
+
+    def set(self, plan: Plan) -> list[ShardedGroup]:
+        error, groups, digest = None, [], None
+        try:
+            groups = _group_plan(plan, self.found)
+            digest = plan.digest()
+        except (ValueError, TypeError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        _agree(error, digest, self.group, "switch the sharded model's plan")
+        self.restore()
+        for (_, module, _), sharded in zip(self.found, groups):
+            if sharded.comm is not None:
+                module.set_custom_reduce_scatter(sharded.comm)
+                module.set_force_sum_reduction_for_comms(True)
+        return groups
+
+    def restore(self) -> None:
+        for pg, comm, force_sum in self._saved:
+            pg._reduce_scatter_comm, pg.force_sum_reduction_for_comms = comm, force_sum
 
 
 def _is_avg(op) -> bool:

@@ -199,6 +199,18 @@ class AccuracyTrialReport:
                 "length, or a larger trial_share= or trial_s=)")
 
 
+@dataclass
+class TrialArm:
+    """One shadow the trial trains: ``model`` (stepped), ``module`` (evaluated: the model without a
+    wrapper that would run collectives of its own), its ``optimizer``, and ``close()`` to remove
+    whatever was installed on it."""
+
+    model: nn.Module
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    close: Callable[[], None]
+
+
 class AccuracyTrial:
     """Paired trials of plans against fp32; every rank calls every method in the same order.
 
@@ -218,16 +230,18 @@ class AccuracyTrial:
     trial that is not powered, to measure their gaps (they are still never accepted).
     """
 
-    def __init__(self, ddp: DistributedDataParallel, loss_fn: LossFn, batches: Iterable[Any] | BatchStream,
+    def __init__(self, ddp: DistributedDataParallel | nn.Module, loss_fn: LossFn, batches: Iterable[Any] | BatchStream,
                  optimizer: torch.optim.Optimizer, *, evaluate: Evaluator | None = None,
                  held_out: Sequence[Any] | None = None, metric: str = "loss",
                  higher_is_better: bool | None = None, tolerance: float = gate.DEFAULT_TOLERANCE,
                  min_steps: int = 8, max_steps: int = 2000, eval_every: int = 4, se_floor: float = 0.0005,
                  stop_behind: float = 4.0, time_budget_s: float | None = 60.0, budget_steps: int | None = None,
                  horizon: int | None = None, arms_expected: int = 6, judge_unpowered: bool = False, group=None,
-                 progress: Callable[[str], None] | None = None) -> None:
-        if not isinstance(ddp, DistributedDataParallel):
-            raise TypeError(f"the accuracy trial needs a DistributedDataParallel model, got {type(ddp).__name__}")
+                 progress: Callable[[str], None] | None = None,
+                 shadows: Callable[[Plan | None], TrialArm] | None = None) -> None:
+        if shadows is None and not isinstance(ddp, DistributedDataParallel):
+            raise TypeError(f"the accuracy trial needs a DistributedDataParallel model (or shadows= that copies "
+                            f"another kind), got {type(ddp).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"the accuracy trial needs the training optimizer, got {type(optimizer).__name__}")
         for name, value, minimum in (("min_steps", min_steps, 1), ("max_steps", max_steps, 1),
@@ -247,6 +261,7 @@ class AccuracyTrial:
             raise ValueError(f"se_floor={se_floor!r}; allowed: 0 <= se_floor < 1")
         check_evaluate(evaluate)
         self.ddp, self.loss_fn, self.optimizer, self.group = ddp, loss_fn, optimizer, group
+        self._shadows = shadows or self._ddp_shadow
         self.metric = metric
         self.higher = higher_is_better if higher_is_better is not None else _metric_higher_is_better(metric)
         self.min_steps, self.max_steps, self.eval_every = min_steps, max_steps, eval_every
@@ -263,9 +278,9 @@ class AccuracyTrial:
         """Run the fp32 reference and the other-order fp32 arm; fix noise, power and length."""
         t0 = time.perf_counter()
         self.evaluate, held_out = self._evaluator()
-        ref, noise_arm = self._arm(None)[:2], self._arm(None)[:2]
+        ref, noise_arm = self._shadows(None), self._shadows(None)
         t_eval = time.perf_counter()
-        first = self._checkpoint([ref[0].module, noise_arm[0].module], initial=True)
+        first = self._checkpoint([ref.module, noise_arm.module], initial=True)
         eval_s = self._elapsed(t_eval) / 2  # one evaluation of one model
         self.initial = first[0]
         curves = [[first[0]], [first[1]]]
@@ -274,11 +289,11 @@ class AccuracyTrial:
         while True:
             draw_on_every_rank(self.stream, step + chunk, self.group)
             t_chunk = time.perf_counter()
-            self._steps(*ref, self.stream.train, step, chunk)
-            self._steps(*noise_arm, self.stream.other_order, step, chunk)
+            self._steps(ref.model, ref.optimizer, self.stream.train, step, chunk)
+            self._steps(noise_arm.model, noise_arm.optimizer, self.stream.other_order, step, chunk)
             step_s = self._elapsed(t_chunk) / (2 * chunk)
             step += chunk
-            values = self._checkpoint([ref[0].module, noise_arm[0].module])
+            values = self._checkpoint([ref.module, noise_arm.module])
             curves[0].append(values[0])
             curves[1].append(values[1])
             checkpoints.append(step)
@@ -368,7 +383,7 @@ class AccuracyTrial:
             return arm
         self.say(f"accuracy trial: {label} ({report.steps} steps)")
         t0 = time.perf_counter()
-        model, opt, hook = self._arm(plan)
+        shadow = self._shadows(plan)
         reference = report.arm("fp32").values
         late = set(evidence.late_window(report.checkpoints))
         limit = self.stop_behind * max(report.tolerance, report.detectable)
@@ -376,16 +391,15 @@ class AccuracyTrial:
         try:
             curve = [self.initial]
             for i, start in enumerate(report.checkpoints[:-1]):
-                self._steps(model, opt, self.stream.train, start, report.checkpoints[i + 1] - start)
-                curve.append(self._checkpoint([model.module])[0])
+                self._steps(shadow.model, shadow.optimizer, self.stream.train, start, report.checkpoints[i + 1] - start)
+                curve.append(self._checkpoint([shadow.module])[0])
                 if i + 1 in late and i + 2 < len(report.checkpoints):
                     behind = evidence.signed_relative(curve[-1:], reference[i + 1 : i + 2], self.higher)[0]
                     if not math.isfinite(curve[-1]) or behind > limit:
                         stopped = f" (stopped at step {report.checkpoints[i + 1]}: {behind:+.1%} behind)"
                         break
         finally:
-            if hook is not None:
-                hook.close()
+            shadow.close()
         arm = self._judged(label, kind, description or label, curve, self._elapsed(t0), fidelity_error, stopped,
                            behind)
         report.arms.append(arm)
@@ -438,11 +452,12 @@ class AccuracyTrial:
             return held_out_loss(self.loss_fn, held), True
         return held_out_loss(self.loss_fn, self.stream.head(8)), False
 
-    def _arm(self, plan: Plan | None):
+    def _ddp_shadow(self, plan: Plan | None) -> TrialArm:
+        """An arm of a DDP model: a copy in its own DDP wrapper, with ``plan``'s hook (none: native DDP)."""
         model = shadow_ddp(self.ddp)
         opt = clone_optimizer(self.optimizer, self.ddp.module, model.module)
         hook = install(model, plan, group=self.group) if plan is not None else None
-        return model, opt, hook
+        return TrialArm(model, model.module, opt, hook.close if hook is not None else lambda: None)
 
     def _steps(self, model, opt, batch: Callable[[int], Any], start: int, count: int) -> None:
         for i in range(start, start + count):

@@ -201,6 +201,60 @@ def measure_plans(
     return result
 
 
+def measure_sharded_plans(
+    model: torch.nn.Module,
+    loss_fn: LossFn,
+    batches: Sequence[Any],
+    optimizer: torch.optim.Optimizer | None,
+    plans: Mapping[str, Plan],
+    *,
+    rounds: int = 3,
+    steps: int | Mapping[str, int] = 3,
+    warmup: int = 2,
+    max_rounds: int | None = None,
+    settled: Callable[[dict[str, list[float]]], bool] | None = None,
+    group=None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, list[float]]:
+    """:func:`measure_plans` for a sharded (FSDP2) model: every plan on the model itself.
+
+    A sharded model cannot be deep-copied (FSDP refuses), so each plan's reduce-scatters are
+    switched in and out of the user's own model (:class:`advisor.runtime.sharded.ShardedSwitch`)
+    between steps, its weights and optimizer state saved before and restored after, and FSDP's
+    own reduce-scatters put back.  ``plans`` maps labels to plans (plan ``none``: FSDP's own
+    path).  Returns ``{label: [median step seconds of each round]}``, the slowest rank's.
+    """
+    from advisor.runtime.sharded import ShardedSwitch
+
+    batches = list(batches)
+    if not batches:
+        raise ValueError("measuring plans needs at least one batch")
+    labels = list(plans)
+    per_label = dict(steps) if isinstance(steps, Mapping) else {label: steps for label in labels}
+    for name, value in [("rounds", rounds)] + [(f"steps[{k}]", v) for k, v in per_label.items()]:
+        check_int(name, value)
+    switch = ShardedSwitch(model, group)
+    result: dict[str, list[float]] = {label: [] for label in labels}
+    try:
+        with StateGuard(model, optimizer):
+            used: set[str] = set()
+
+            def run(label: str, settle: int, finite: list[bool]) -> float:
+                switch.set(plans[label])
+                return timed_steps(model, loss_fn, batches, optimizer, per_label[label], settle, finite=finite)
+
+            r = 0
+            while r < rounds or (settled is not None and r < (max_rounds or rounds) and not settled(result)):
+                announce = (lambda label, r=r: progress(f"round {r + 1}/{max(rounds, r + 1)}: {label}")) \
+                    if progress else None
+                for label, seconds in _round(labels, run, used, warmup, group, announce).items():
+                    result[label].append(seconds)
+                r += 1
+    finally:
+        switch.restore()
+    return result
+
+
 def _round(labels: Sequence[str], run: Callable[[str, int, list[bool]], float], used: set[str], warmup: int,
            group, announce: Callable[[str], None] | None = None) -> dict[str, float]:
     """One interleaved round: each label's median step time, the slowest rank's.

@@ -1,0 +1,203 @@
+"""Profile a sharded (FSDP2, ``fully_shard``) model on the live cluster, one parameter group at a time.
+
+Under FSDP2 each group's gradients leave backward in one reduce-scatter, and a custom one is called
+synchronously (:mod:`advisor.runtime.sharded`), so on a CPU cluster with gloo a step is its compute
+and all-gathers plus every group's reduce-scatter, one after another.  The profile measures what
+the performance model needs for that:
+
+* a training step under FSDP's own reduce-scatters (``step_s``, median, slowest rank);
+* per group, its reduce-scatter's input size, and for each config the seconds its reduce-scatter
+  takes on this cluster, encode and decode included (FSDP's own for ``none``), timed on the
+  group's *real* gradient rows, captured from training steps;
+* per group and config, how far the reduced shard lands from the exact fp32 sum on those same
+  rows: ``||decoded - exact|| / ||exact||``, summed over ranks.
+
+Every rank profiles; every number is agreed across ranks (slowest for times, summed for errors),
+so every rank holds the same profile.  The model's weights and optimizer end as they began.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from advisor.compressors.registry import parse
+from advisor.core.collectives import mean_over_ranks, slowest, world_size
+from advisor.core.documents import VersionedDocument, check_int
+from advisor.runtime.sharded import SHARDED_CONFIGS, ExactReduceScatter, comm_for, group_numel, sharded_groups
+from profilers.training_state import StateGuard
+
+SHARDED_PROFILE_KIND = "sharded-profile"
+
+
+@dataclass
+class ShardedGroupProfile:
+    """One ``fully_shard`` group: its name, parameters, reduce-scatter input size, and per config
+    the seconds its reduce-scatter takes and its error against the exact sum."""
+
+    name: str
+    parameters: list[str]
+    numel: int
+    seconds: dict[str, float]
+    error: dict[str, float]
+
+    def __post_init__(self) -> None:
+        check_int("numel", self.numel, 1)
+        for label, value in [*self.seconds.items(), *self.error.items()]:
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"group {self.name!r}: {label} must be a finite number >= 0, got {value!r}")
+        if "none" not in self.seconds:
+            raise ValueError(f"group {self.name!r}: the seconds of FSDP's own reduce-scatter ('none') are missing")
+
+
+@dataclass
+class ShardedProfile(VersionedDocument):
+    """A sharded model's groups on this cluster (see the module doc)."""
+
+    what = "sharded profile"
+    KIND = SHARDED_PROFILE_KIND
+    VERSION = 1
+    REDO = "profile the sharded model again with this version"
+
+    world_size: int
+    step_s: float
+    groups: list[ShardedGroupProfile]
+    configs: list[str]
+    device: str = "cpu"
+    steps: int = 0
+    kind: str = SHARDED_PROFILE_KIND
+    version: int = 1
+
+    def __post_init__(self) -> None:
+        check_int("world_size", self.world_size, 1)
+        if not (math.isfinite(self.step_s) and self.step_s > 0):
+            raise ValueError(f"step_s must be a positive number of seconds, got {self.step_s!r}")
+        if not self.groups:
+            raise ValueError("a sharded profile needs at least one group")
+        for g in self.groups:
+            missing = [c for c in self.configs if c not in g.seconds or c not in g.error]
+            if missing:
+                raise ValueError(f"group {g.name!r} has no measurement of {missing}")
+
+    @property
+    def compute_s(self) -> float:
+        """The step without its reduce-scatters: compute, all-gathers, the optimizer (at least 0)."""
+        return max(0.0, self.step_s - sum(g.seconds["none"] for g in self.groups))
+
+
+class _Recorder:
+    """Stands in for a group's reduce-scatter: keeps a copy of the rows it is given, then runs the
+    comm that was there, so training goes on exactly as before."""
+
+    def __init__(self, inner, rows: list[torch.Tensor]) -> None:
+        self.inner, self.rows = inner, rows
+
+    def allocate(self, size, *, dtype, device):
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        self.rows.append(input_tensor.detach().clone())
+        return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op)
+
+
+def check_sharded_configs(configs: Sequence[str]) -> list[str]:
+    """The configs as registry labels, ``none`` first; a config a sharded group cannot run is refused."""
+    labels = list(dict.fromkeys(parse(c).label for c in ["none", *configs]))
+    allowed = {parse(c).label for c in SHARDED_CONFIGS}
+    bad = [c for c in labels if c not in allowed]
+    if bad:
+        raise ValueError(f"config(s) {bad} cannot run on a sharded (fully_shard) group; allowed: "
+                         f"{', '.join(SHARDED_CONFIGS)}")
+    return labels
+
+
+def profile_sharded(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+                    batches: Sequence[Any], optimizer: torch.optim.Optimizer | None,
+                    configs: Sequence[str] = SHARDED_CONFIGS, *, steps: int = 3, repeats: int = 3,
+                    group=None) -> ShardedProfile:
+    """Profile ``model``'s ``fully_shard`` groups; every rank calls it (see the module doc).
+
+    ``steps`` training steps are timed under FSDP's own path (after one that warms it up), and
+    their gradient rows captured; each config's reduce-scatter then runs ``repeats`` times on each
+    captured step's rows.  ``batches``: this rank's training batches, cycled.
+
+    Raises:
+        ValueError: a config a sharded group cannot run, no batches, or a bad count.
+    """
+    labels = check_sharded_configs(configs)
+    check_int("steps", steps, 1)
+    check_int("repeats", repeats, 1)
+    batches = list(batches)
+    if not batches:
+        raise ValueError("profiling the sharded model needs at least one batch")
+    found = sharded_groups(model)
+    pg = group if group is not None else dist.group.WORLD
+    captured: list[list[torch.Tensor]] = [[] for _ in found]
+    states = [module._get_fsdp_state()._fsdp_param_groups for _, module, _ in found]
+    saved = [[g._reduce_scatter_comm for g in groups] for groups in states]
+    times = []
+    with StateGuard(model, optimizer):
+        try:
+            for groups, rows in zip(states, captured):
+                for g in groups:
+                    g._reduce_scatter_comm = _Recorder(g._reduce_scatter_comm, rows)
+            for i in range(steps + 1):
+                t0 = time.perf_counter()
+                model.zero_grad(set_to_none=True)
+                loss_fn(model, batches[i % len(batches)]).backward()
+                if optimizer is not None:
+                    optimizer.step()
+                if i:  # the first step allocates and warms up
+                    times.append(time.perf_counter() - t0)
+        finally:
+            for groups, comms in zip(states, saved):
+                for g, comm in zip(groups, comms):
+                    g._reduce_scatter_comm = comm
+    step_s = slowest([statistics.median(times)], group)[0]
+    profiles = []
+    for (name, module, params), rows, comms in zip(found, captured, saved):
+        rows = rows[-steps:]  # the warm-up step's rows are not a training step of the loop
+        seconds, error = _measure_group(rows, comms[0], labels, repeats, pg, name or "(root)")
+        profiles.append(ShardedGroupProfile(name or "(root)", list(params), group_numel(module), seconds, error))
+    device = str(captured[0][0].device)
+    return ShardedProfile(world_size(group), step_s, profiles, labels, device=device, steps=steps)
+
+
+def _measure_group(rows: list[torch.Tensor], native, labels: Sequence[str], repeats: int, pg,
+                   name: str) -> tuple[dict[str, float], dict[str, float]]:
+    """Each config's reduce-scatter on the captured rows: (median seconds, slowest rank; error vs exact)."""
+    world = dist.get_world_size(pg)
+    exact_comm = ExactReduceScatter(torch.float32, name)
+    shard = rows[0].numel() // world
+    exact = [torch.empty(shard, dtype=torch.float32) for _ in rows]
+    for r, out in zip(rows, exact):
+        exact_comm(out, r.float().clone(), pg, dist.ReduceOp.SUM)
+    local_s, sq_err = [], []
+    for label in labels:
+        comm = native if label == "none" else comm_for(parse(label), name)
+        runs, err = [], 0.0
+        for r, ref in zip(rows, exact):
+            for k in range(repeats):
+                out = torch.empty(shard, dtype=r.dtype)
+                data = r.clone()  # a comm may zero non-finite values in place
+                t0 = time.perf_counter()
+                comm(output_tensor=out, input_tensor=data, group=pg, op=dist.ReduceOp.SUM)
+                runs.append(time.perf_counter() - t0)
+                if k == 0:
+                    err += float((out.float() - ref).pow(2).sum())
+        local_s.append(statistics.median(runs))
+        sq_err.append(err)
+    norms = [float(ref.pow(2).sum()) for ref in exact]
+    seconds = slowest(local_s, pg)
+    totals = mean_over_ranks(sq_err + [sum(norms)], pg)  # a ratio of sums over ranks: the mean serves
+    scale = totals[-1]
+    errors = [math.sqrt(e / scale) if scale > 0 else 0.0 for e in totals[:-1]]
+    return dict(zip(labels, seconds)), dict(zip(labels, errors))
+

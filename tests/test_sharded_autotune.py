@@ -1,0 +1,78 @@
+"""autotune_sharded: profile, trial, search, measure, decide and install for an FSDP2 model (2 ranks, gloo)."""
+
+import pytest
+import sharded_programs as sp
+import torch
+
+from advisor.runtime import Plan
+from advisor.runtime.sharded import EXACT_FP32
+from advisor.testbed.launch import launch_local
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tuned():
+    return launch_local(sp.autotune_wide, 2, ({"trial_s": 20.0},), timeout=600)
+
+
+def test_every_rank_gets_the_same_advice_and_the_model_and_optimizer_end_as_they_began(tuned):
+    a, b = tuned
+    assert a["error"] is None and b["error"] is None, (a["error"], b["error"])
+    assert a["result"]["plan"] == b["result"]["plan"]
+    assert a["result"]["recommendation"] == b["result"]["recommendation"]
+    assert a["kept"] and b["kept"]
+    assert a["round_trip"] and b["round_trip"]
+
+
+def test_the_profile_times_and_measures_every_config_of_every_group(tuned):
+    profile = tuned[0]["result"]["profile"]
+    assert [g["name"] for g in profile["groups"]] == ["(root)", "blocks.0", "blocks.1", "blocks.2"]
+    block = profile["groups"][1]
+    # 64x256 + 256 + 256x64 + 64 values, every rank's row of them (already even: no padding)
+    assert block["numel"] == 64 * 256 + 256 + 256 * 64 + 64
+    for g in profile["groups"]:
+        assert set(g["seconds"]) == set(g["error"]) == set(profile["configs"])
+        e = g["error"]
+        # FSDP's own reduce-scatter is exact; fp16 keeps 10 mantissa bits, bf16 7, the 8-bit codes fewer
+        assert e["none"] < 1e-6 < e["fp16"] < e["bf16"] < e["intquant(bits=8, packed=1)"] < 0.05, e
+    assert profile["step_s"] > 0
+
+
+def test_the_advice_is_measured_against_both_fp32_paths_and_installed_as_it_says(tuned):
+    result = tuned[0]["result"]
+    labels = [m["label"] for m in result["measured"]]
+    assert "fp32" in labels and "fp32, exact all-to-all" in labels
+    assert all(len(m["round_s"]) >= 3 for m in result["measured"])
+    plan = Plan.from_dict(result["plan"])
+    exact = plan.metadata.get(EXACT_FP32) == "all-to-all"
+    for name, comm in tuned[0]["comms"].items():
+        group = next(g for g in result["profile"]["groups"] if g["name"] == (name or "(root)"))
+        config = plan.config_for(group["parameters"][0]).label
+        expected = {"none": "ExactReduceScatter" if exact else "DefaultReduceScatter", "fp16": "ExactReduceScatter",
+                    "bf16": "ExactReduceScatter"}.get(config, "Int8ReduceScatter")
+        assert comm == expected, (name, config, comm)
+    # training on under the advice keeps every rank's parameters identical
+    for n, value in tuned[0]["full"].items():
+        torch.testing.assert_close(value, tuned[1]["full"][n], rtol=0, atol=0)
+
+
+def test_a_lossy_plan_is_installed_only_with_the_trials_proof(tuned):
+    result = tuned[0]["result"]
+    trial = result["accuracy"]
+    assert trial is not None and trial["arms"][0]["label"] == "fp32"
+    if result["compress"]:
+        assert "accuracy:" in result["reason"] and trial["powered"]
+    else:
+        assert not any(e["status"] == "accepted" and e["kind"] == "candidate" and e["tta_low"] and e["tta_low"] > 1
+                       for e in result["evidence"])
+    assert "earned" in result["budget_reason"]
+
+
+def test_autotune_sharded_refuses_a_missing_or_wrong_build_on_every_rank():
+    wrong = launch_local(sp.autotune_wide, 2, ({"trial_s": 5.0}, "other"), timeout=300)
+    for r in wrong:
+        assert "build() made a model unlike the one being tuned" in r["error"], r["error"]
+    missing = launch_local(sp.autotune_wide, 2, ({"trial_s": 5.0}, "none"), timeout=300)
+    for r in missing:
+        assert "pass build=" in r["error"] and "accuracy_trial=False" in r["error"], r["error"]
