@@ -10,7 +10,8 @@ the performance model needs for that:
   takes on this cluster, encode and decode included (FSDP's own for ``none``), timed on the
   group's *real* gradient rows, captured from training steps;
 * per group and config, how far the reduced shard lands from the exact fp32 sum on those same
-  rows: ``||decoded - exact|| / ||exact||``, summed over ranks.
+  rows: ``||decoded - exact|| / ||exact||`` over the captured steps and ranks, the comm's state
+  (PowerSGD's warm start, residuals) carried from step to step as in training.
 
 Every rank profiles; every number is agreed across ranks (slowest for times, summed for errors),
 so every rank holds the same profile.  The model's weights and optimizer end as they began.
@@ -31,7 +32,16 @@ import torch.distributed as dist
 from advisor.compressors.registry import parse
 from advisor.core.collectives import mean_over_ranks, slowest, world_size
 from advisor.core.documents import VersionedDocument, check_int
-from advisor.runtime.sharded import SHARDED_CONFIGS, ExactReduceScatter, comm_for, group_numel, sharded_groups
+from advisor.runtime.sharded import (
+    SHARDED_ALLOWED,
+    SHARDED_CONFIGS,
+    ExactReduceScatter,
+    comm_for,
+    group_layout,
+    group_numel,
+    sharded_config_allowed,
+    sharded_groups,
+)
 from profilers.training_state import StateGuard
 
 SHARDED_PROFILE_KIND = "sharded-profile"
@@ -110,11 +120,9 @@ class _Recorder:
 def check_sharded_configs(configs: Sequence[str]) -> list[str]:
     """The configs as registry labels, ``none`` first; a config a sharded group cannot run is refused."""
     labels = list(dict.fromkeys(parse(c).label for c in ["none", *configs]))
-    allowed = {parse(c).label for c in SHARDED_CONFIGS}
-    bad = [c for c in labels if c not in allowed]
+    bad = [c for c in labels if not sharded_config_allowed(parse(c))]
     if bad:
-        raise ValueError(f"config(s) {bad} cannot run on a sharded (fully_shard) group; allowed: "
-                         f"{', '.join(SHARDED_CONFIGS)}")
+        raise ValueError(f"config(s) {bad} cannot run on a sharded (fully_shard) group; allowed: {SHARDED_ALLOWED}")
     return labels
 
 
@@ -164,14 +172,14 @@ def profile_sharded(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, 
     profiles = []
     for (name, module, params), rows, comms in zip(found, captured, saved):
         rows = rows[-steps:]  # the warm-up step's rows are not a training step of the loop
-        seconds, error = _measure_group(rows, comms[0], labels, repeats, pg, name or "(root)")
+        seconds, error = _measure_group(rows, comms[0], labels, repeats, pg, name or "(root)", group_layout(module, name))
         profiles.append(ShardedGroupProfile(name or "(root)", list(params), group_numel(module), seconds, error))
     device = str(captured[0][0].device)
     return ShardedProfile(world_size(group), step_s, profiles, labels, device=device, steps=steps)
 
 
-def _measure_group(rows: list[torch.Tensor], native, labels: Sequence[str], repeats: int, pg,
-                   name: str) -> tuple[dict[str, float], dict[str, float]]:
+def _measure_group(rows: list[torch.Tensor], native, labels: Sequence[str], repeats: int, pg, name: str,
+                   layout) -> tuple[dict[str, float], dict[str, float]]:
     """Each config's reduce-scatter on the captured rows: (median seconds, slowest rank; error vs exact)."""
     world = dist.get_world_size(pg)
     exact_comm = ExactReduceScatter(torch.float32, name)
@@ -181,17 +189,20 @@ def _measure_group(rows: list[torch.Tensor], native, labels: Sequence[str], repe
         exact_comm(out, r.float().clone(), pg, dist.ReduceOp.SUM)
     local_s, sq_err = [], []
     for label in labels:
-        comm = native if label == "none" else comm_for(parse(label), name)
+        # the error: one comm over the captured steps in order, as in training (PowerSGD's warm start
+        # and every residual carry over); the time: a second one, each step's rows ``repeats`` times
+        judged, timed = ((native, native) if label == "none" else
+                         (comm_for(parse(label), name, layout=layout), comm_for(parse(label), name, layout=layout)))
         runs, err = [], 0.0
         for r, ref in zip(rows, exact):
-            for k in range(repeats):
-                out = torch.empty(shard, dtype=r.dtype)
+            out = torch.empty(shard, dtype=r.dtype)
+            judged(output_tensor=out, input_tensor=r.clone(), group=pg, op=dist.ReduceOp.SUM)
+            err += float((out.float() - ref).pow(2).sum())
+            for _ in range(repeats):
                 data = r.clone()  # a comm may zero non-finite values in place
                 t0 = time.perf_counter()
-                comm(output_tensor=out, input_tensor=data, group=pg, op=dist.ReduceOp.SUM)
+                timed(output_tensor=out, input_tensor=data, group=pg, op=dist.ReduceOp.SUM)
                 runs.append(time.perf_counter() - t0)
-                if k == 0:
-                    err += float((out.float() - ref).pow(2).sum())
         local_s.append(statistics.median(runs))
         sq_err.append(err)
     norms = [float(ref.pow(2).sum()) for ref in exact]

@@ -187,3 +187,32 @@ def autotune_wide(rank: int, world_size: int, kwargs: dict, build: str = "same")
     again = ShardedAutotuneResult.from_json(result.to_json())
     return {"error": None, "result": result.to_dict(), "round_trip": again.to_dict() == result.to_dict(),
             "kept": kept, "comms": comms, "full": full, "summary": result.summary()}
+
+
+def powersgd_sharded(rank: int, world_size: int, batch: int, steps: int, error_feedback: bool = True):
+    """FSDP2 training with PowerSGD rank 2 on every group (and, beside it, FSDP's own path): the
+    first step's gradient shards of both, the comms' residual memory, and each model's parameters
+    at the end, all-gathered."""
+    from advisor.runtime import Plan
+    from advisor.runtime.sharded import install_sharded
+
+    config = "powersgd(rank=2)" if error_feedback else "powersgd(rank=2, no-ef)"
+    out = {}
+    for name, plan in (("fsdp", None), ("powersgd", Plan.uniform(config, warmup_steps=0))):
+        model = _sharded()
+        groups = install_sharded(model, plan) if plan is not None else []
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        losses, first = [], None
+        for step in range(steps):
+            x, y = _batch(rank, step)
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x[:batch]), y[:batch])
+            loss.backward()
+            if first is None:
+                first = {n: _local(p.grad) for n, p in model.named_parameters()}
+            opt.step()
+            losses.append(loss.item())
+        out[name] = {"grads": first, "losses": losses,
+                     "full": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
+                     "residual_bytes": sum(g.comm.residual_bytes for g in groups if g.comm is not None)}
+    return out

@@ -87,3 +87,30 @@ def test_bad_set_ups_are_refused_on_every_rank_naming_the_fix(case, message):
 
     said = launch_local(sp.install_expecting_error, 2, (case,), timeout=120)
     assert all(re.search(message, s) for s in said), said
+
+
+def test_powersgd_reduces_gradients_of_rank_at_most_its_own_exactly_and_keeps_ranks_identical():
+    # one sample a rank: each rank's gradient of a weight matrix has rank 1, their sum rank 2, so
+    # one power iteration at rank 2 spans it and each rank's shard of the sum comes out exact
+    out = launch_local(sp.powersgd_sharded, 2, (1, 6), timeout=180)
+    for r in out:
+        for n, g in r["fsdp"]["grads"].items():
+            torch.testing.assert_close(r["powersgd"]["grads"][n], g, rtol=1e-4, atol=1e-6)
+    # after six steps every rank holds the same parameters, and error feedback kept every matrix's
+    # residual: the unsharded size of the group's matrices, on every rank
+    for n, value in out[0]["powersgd"]["full"].items():
+        torch.testing.assert_close(value, out[1]["powersgd"]["full"][n], rtol=0, atol=0)
+    matrices = 3 * (48 * 32 + 32 * 48) + 10 * 32
+    assert out[0]["powersgd"]["residual_bytes"] == out[1]["powersgd"]["residual_bytes"] == 4 * matrices
+
+
+def test_powersgd_on_full_batches_approximates_and_still_trains():
+    out = launch_local(sp.powersgd_sharded, 2, (16, 8, False), timeout=180)
+    first = out[0]
+    errors = [float((first["powersgd"]["grads"][n] - g).norm() / g.norm()) for n, g in first["fsdp"]["grads"].items()
+              if g.dim() == 2 and g.norm() > 0]
+    assert max(errors) > 1e-3  # 16 samples a rank: rank 2 no longer spans the gradient
+    assert first["powersgd"]["losses"][-1] < first["powersgd"]["losses"][0]
+    assert first["powersgd"]["residual_bytes"] == 0  # no error feedback, no residual
+    for n, value in out[0]["powersgd"]["full"].items():
+        torch.testing.assert_close(value, out[1]["powersgd"]["full"][n], rtol=0, atol=0)

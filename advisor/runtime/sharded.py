@@ -27,6 +27,7 @@ value of the block), counted, and logged; training state is never lost.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from advisor.compressors.base import is_finite
+from advisor.compressors.base import is_finite, stable_hash
+from advisor.compressors.powersgd import orthogonalize_
 from advisor.compressors.registry import CompressorConfig
 from advisor.core.collectives import every_rank
 from advisor.runtime.plan import Plan, as_plan
@@ -44,8 +46,10 @@ log = logging.getLogger("advisor.runtime")
 
 #: values sharing one int8 scale
 BLOCK = 256
-#: the configs a sharded group can run, as the registry labels them
-SHARDED_CONFIGS = ("none", "fp16", "bf16", "intquant(bits=8)")
+#: the configs a sharded group can run by default (autotune_sharded's candidates); PowerSGD runs at any rank
+SHARDED_CONFIGS = ("none", "fp16", "bf16", "intquant(bits=8)", "powersgd(rank=4)", "powersgd(rank=16)")
+#: what a sharded group can run, in words (errors name it)
+SHARDED_ALLOWED = "none, fp16, bf16, intquant(bits=8), powersgd(rank=r)"
 #: plan metadata key: ``"all-to-all"`` runs the groups whose config is ``none`` through
 #: :class:`ExactReduceScatter` (fp32, exact) instead of FSDP's own reduce-scatter
 EXACT_FP32 = "sharded_fp32"
@@ -144,6 +148,139 @@ class Int8ReduceScatter(ExactReduceScatter):
         return decoded.view(world, blocks * BLOCK)[:, :shard]
 
 
+@dataclass(frozen=True)
+class ShardSegment:
+    """One parameter's place in a group's reduce-scatter rows: row r holds its dim-0 chunk r
+    (``chunk`` rows of ``width`` values, zero-padded) at ``offset``; ``rows`` is its unsharded
+    dim 0.  ``matrix``: whether PowerSGD compresses it (2-D or more, sharded on dim 0)."""
+
+    name: str
+    offset: int
+    chunk: int
+    width: int
+    rows: int
+    matrix: bool
+
+    @property
+    def numel(self) -> int:
+        return self.chunk * self.width
+
+
+def group_layout(module, prefix: str = "") -> list[ShardSegment]:
+    """The segments of a ``fully_shard`` module's reduce-scatter rows, in FSDP's order
+    (``chunk_cat`` of each gradient's dim-0 chunks, see ``foreach_reduce``), named as in the
+    model (``prefix``: the module's name in it)."""
+    state = module._get_fsdp_state()
+    names = {id(p): f"{prefix}.{n}" if prefix else n for n, p in module.named_parameters()}
+    segments, offset = [], 0
+    for g in state._fsdp_param_groups:
+        for fp in g.fsdp_params:
+            padded = fp.padded_sharded_param_size
+            chunk, width = padded[0] if len(padded) else 1, max(1, math.prod(padded[1:]))
+            dim0 = getattr(fp, "fsdp_placement", None)
+            rows = fp._orig_size[0] if len(fp._orig_size) else 1
+            # PowerSGD pays where (rows + width) x rank < rows x width, checked per rank by the comm
+            matrix = len(fp._orig_size) >= 2 and (dim0 is None or dim0.dim == 0)
+            name = names.get(id(fp.sharded_param), f"{prefix}[{len(segments)}]")
+            segments.append(ShardSegment(name, offset, chunk, width, rows, matrix))
+            offset += chunk * width
+    return segments
+
+
+class PowerSGDReduceScatter(ExactReduceScatter):
+    """PowerSGD (rank ``rank``) on every matrix of a group, inside its reduce-scatter.
+
+    Each rank rebuilds its own unsharded gradient of every matrix from its rows (FSDP hands
+    each rank the local gradients of the whole group, laid out by destination), then one power
+    iteration with warm start: ``P = M Q`` for every matrix in one all-reduce, ``P`` orthonormalised,
+    ``Q = Mᵀ P`` in a second all-reduce; each rank keeps only its own rows of ``P Qᵀ``, the
+    approximate sum.  The other parameters (1-D, or sharded on another dim) cross exactly, in
+    one fp32 all-to-all.  So what crosses the wire is ``(n + m) x rank`` values a matrix, in
+    all-reduces, instead of ``n x m`` in the reduce-scatter.
+
+    Error feedback (on by default) keeps each rank's residual ``M - P̂ P̂ᵀ M`` of every matrix:
+    the *unsharded* size of the group's matrices on every rank, the memory sharding saves
+    (:attr:`residual_bytes` says how much).  The initial Q of each matrix is seeded by its name,
+    so every rank starts alike.
+    """
+
+    def __init__(self, layout: list[ShardSegment], rank: int, name: str = "", error_feedback: bool = True,
+                 seed: int = 0) -> None:
+        super().__init__(torch.float32, name)
+        self.layout, self.rank, self.error_feedback, self.seed = layout, rank, error_feedback, seed
+        self.q: dict[str, torch.Tensor] = {}
+        self.residuals: dict[str, torch.Tensor] = {}
+
+    @property
+    def residual_bytes(self) -> int:
+        return sum(r.numel() * r.element_size() for r in self.residuals.values())
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
+        world = dist.get_world_size(group)
+        me = dist.get_rank(group)
+        rows = input_tensor.view(world, -1)
+        self._zero_nonfinite(rows)
+        matrices = [s for s in self.layout if s.matrix and (s.rows + s.width) * self.rank < s.rows * s.width]
+        exact = [s for s in self.layout if s not in matrices]
+        out = output_tensor.view(-1)
+        if exact:  # the parameters PowerSGD leaves alone: an exact fp32 reduce-scatter of their segments
+            send = torch.cat([rows[:, s.offset:s.offset + s.numel] for s in exact], dim=1).float().contiguous()
+            got = torch.empty_like(send)
+            dist.all_to_all_single(got, send, group=group)
+            summed, at = got.sum(dim=0), 0
+            for s in exact:
+                out[s.offset:s.offset + s.numel].copy_(summed[at:at + s.numel])
+                at += s.numel
+        if matrices:
+            ms = [self._matrix(rows, s, world) for s in matrices]
+            qs = [self._q(s, m) for s, m in zip(matrices, ms)]
+            ps = torch.cat([(m @ q).reshape(-1) for m, q in zip(ms, qs)])
+            dist.all_reduce(ps, group=group)
+            p_hats, at = [], 0
+            for s in matrices:
+                p_hats.append(orthogonalize_(ps[at:at + s.rows * self.rank].view(s.rows, self.rank)))
+                at += s.rows * self.rank
+            local_q = [m.t() @ p for m, p in zip(ms, p_hats)]
+            summed_q = torch.cat([q.reshape(-1) for q in local_q])
+            dist.all_reduce(summed_q, group=group)
+            at = 0
+            for s, m, p, q_local in zip(matrices, ms, p_hats, local_q):
+                q = summed_q[at:at + s.width * self.rank].view(s.width, self.rank)
+                at += s.width * self.rank
+                self.q[s.name] = q.clone()  # warm start: identical on every rank (it came out of an all-reduce)
+                if self.error_feedback:
+                    self.residuals[s.name] = m - p @ q_local.t()
+                mine = torch.zeros(s.chunk, s.width)
+                lo, hi = me * s.chunk, min((me + 1) * s.chunk, s.rows)
+                if hi > lo:
+                    mine[: hi - lo] = p[lo:hi] @ q.t()
+                out[s.offset:s.offset + s.numel].copy_(mine.view(-1))
+        if _is_avg(op):
+            out.div_(world)
+        return None
+
+    def _matrix(self, rows: torch.Tensor, s: ShardSegment, world: int) -> torch.Tensor:
+        """This rank's unsharded gradient of ``s`` (rows x width, fp32), its residual added."""
+        chunks = rows[:, s.offset:s.offset + s.numel].reshape(world * s.chunk, s.width)[: s.rows].float()
+        residual = self.residuals.get(s.name)
+        return chunks + residual if residual is not None else chunks.clone()
+
+    def _q(self, s: ShardSegment, m: torch.Tensor) -> torch.Tensor:
+        q = self.q.get(s.name)
+        if q is None:
+            gen = torch.Generator().manual_seed(stable_hash(s.name) + self.seed)
+            q = torch.randn(s.width, self.rank, generator=gen)
+        return q
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's residuals and warm-start Qs (its own: residuals differ between ranks)."""
+        return {**{f"residual/{k}": v for k, v in self.residuals.items()}, **{f"q/{k}": v for k, v in self.q.items()}}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.residuals = {k[len("residual/"):]: v.clone() for k, v in state.items() if k.startswith("residual/")}
+        self.q = {k[len("q/"):]: v.clone() for k, v in state.items() if k.startswith("q/")}
+
+
 @dataclass
 class ShardedGroup:
     """One ``fully_shard`` group: its module's name, its parameters' names and the config it runs."""
@@ -154,17 +291,28 @@ class ShardedGroup:
     comm: Any = None
 
 
-def comm_for(config: CompressorConfig, name: str, seed: int = 0):
-    """The reduce-scatter that runs ``config`` (None for ``none``: FSDP's own path)."""
+def sharded_config_allowed(config: CompressorConfig) -> bool:
+    """Whether a sharded group can run ``config`` (:data:`SHARDED_ALLOWED`)."""
+    return (config.label in ("none", "fp16", "bf16") or config.name == "powersgd"
+            or (config.name == "intquant" and config.params.get("bits") == 8))
+
+
+def comm_for(config: CompressorConfig, name: str, seed: int = 0, layout: list[ShardSegment] | None = None):
+    """The reduce-scatter that runs ``config`` (None for ``none``: FSDP's own path); PowerSGD
+    needs the group's ``layout`` (:func:`group_layout`)."""
     label = config.label
+    if not sharded_config_allowed(config):
+        raise ValueError(f"compressor {label!r} cannot run on a sharded (fully_shard) group yet; allowed there: "
+                         f"{SHARDED_ALLOWED}")
     if label == "none":
         return None
     if label in ("fp16", "bf16"):
         return ExactReduceScatter(torch.float16 if label == "fp16" else torch.bfloat16, name)
-    if config.name == "intquant" and config.params.get("bits") == 8:
-        return Int8ReduceScatter(name, seed)
-    raise ValueError(f"compressor {label!r} cannot run on a sharded (fully_shard) group yet; allowed there: "
-                     f"{', '.join(SHARDED_CONFIGS)}")
+    if config.name == "powersgd":
+        if layout is None:
+            raise ValueError(f"PowerSGD on sharded group {name!r} needs the group's layout (group_layout(module))")
+        return PowerSGDReduceScatter(layout, config.params["rank"], name, config.error_feedback is not False, seed)
+    return Int8ReduceScatter(name, seed)
 
 
 def sharded_groups(model: torch.nn.Module) -> list[tuple[str, Any, tuple[str, ...]]]:
@@ -223,14 +371,15 @@ def _group_plan(plan: Plan, found) -> list[ShardedGroup]:
         raise ValueError(f"plan metadata {EXACT_FP32}={exact!r}; allowed: 'all-to-all' (the exact fp32 "
                          "reduce-scatter where the config is none), or leave it out (FSDP's own)")
     groups = []
-    for prefix, _, params in found:
+    for prefix, module, params in found:
         configs = {plan.config_for(n).label: plan.config_for(n) for n in params}
         if len(configs) > 1:
             raise ValueError(f"plan gives fully_shard group {prefix or '(root)'!r} several configs "
                              f"({', '.join(sorted(configs))}); a group's gradients cross in one reduce-scatter: "
                              "give all its parameters one config")
         config = next(iter(configs.values()))
-        comm = comm_for(config, prefix or "(root)", plan.seed)
+        comm = comm_for(config, prefix or "(root)", plan.seed,
+                        group_layout(module, prefix) if config.name == "powersgd" else None)
         if comm is None and exact:
             comm = ExactReduceScatter(torch.float32, prefix or "(root)")
         groups.append(ShardedGroup(prefix, params, config, comm))

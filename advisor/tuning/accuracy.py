@@ -277,7 +277,13 @@ class AccuracyTrial:
     def start(self) -> AccuracyTrialReport:
         """Run the fp32 reference and the other-order fp32 arm; fix noise, power and length."""
         t0 = time.perf_counter()
-        self.evaluate, held_out = self._evaluator()
+        self.evaluate, held_out, eval_batches = self._evaluator()
+        # what one evaluation costs in training steps: counted where the evaluator is the held-out
+        # loss (a batch's forward is about a third of a training step); timed once for evaluate=,
+        # and rounded up to a power of two. So the same call on the same data checkpoints at the
+        # same steps whatever the machine's timing (where a trial stops on a memorised task's
+        # curve, checkpoints that moved with the timing moved the verdict)
+        eval_steps = slowest([len(eval_batches)], self.group)[0] / 3 if eval_batches is not None else None
         ref, noise_arm = self._shadows(None), self._shadows(None)
         t_eval = time.perf_counter()
         first = self._checkpoint([ref.module, noise_arm.module], initial=True)
@@ -318,7 +324,9 @@ class AccuracyTrial:
                 break
             # evaluate about a dozen times per doubling of the trial, and spend at most about a
             # fifth of the trial's time evaluating
-            chunk = max(1, math.ceil(step / 12), math.ceil(4 * eval_s / max(step_s, 1e-9)))
+            if eval_steps is None:
+                eval_steps = 2.0 ** math.ceil(math.log2(max(eval_s / max(step_s, 1e-9), 1 / 64)))
+            chunk = max(1, math.ceil(step / 12), math.ceil(4 * eval_steps))
             # the last chunk is cut to what the budget leaves: stopping short would waste up to a
             # third of it, and how much would depend on the machine's timing
             room, bound = self._room(t0, step)
@@ -440,17 +448,19 @@ class AccuracyTrial:
             raise RuntimeError("call AccuracyTrial.start() before trialling plans")
         return self._report
 
-    def _evaluator(self) -> tuple[Evaluator, bool]:
-        """The evaluator, and whether it judges on data that training never sees."""
+    def _evaluator(self) -> tuple[Evaluator, bool, list | None]:
+        """The evaluator, whether it judges on data that training never sees, and the batches it
+        evaluates on (None: the user's ``evaluate``)."""
         if self._evaluate_arg is not None or self._held_out_arg:
             set_aside_on_every_rank(self.stream, 0, self.group)
             if self._evaluate_arg is not None:
-                return self._evaluate_arg, True
-            return held_out_loss(self.loss_fn, self._held_out_arg), True
+                return self._evaluate_arg, True, None
+            return held_out_loss(self.loss_fn, self._held_out_arg), True, list(self._held_out_arg)
         held = set_aside_on_every_rank(self.stream, None, self.group)
         if held:
-            return held_out_loss(self.loss_fn, held), True
-        return held_out_loss(self.loss_fn, self.stream.head(8)), False
+            return held_out_loss(self.loss_fn, held), True, list(held)
+        head = self.stream.head(8)
+        return held_out_loss(self.loss_fn, head), False, list(head)
 
     def _ddp_shadow(self, plan: Plan | None) -> TrialArm:
         """An arm of a DDP model: a copy in its own DDP wrapper, with ``plan``'s hook (none: native DDP)."""
