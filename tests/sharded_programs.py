@@ -216,3 +216,44 @@ def powersgd_sharded(rank: int, world_size: int, batch: int, steps: int, error_f
                      "full": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
                      "residual_bytes": sum(g.comm.residual_bytes for g in groups if g.comm is not None)}
     return out
+
+
+def resume_powersgd(rank: int, world_size: int, directory: str):
+    """Train 3 steps under PowerSGD with error feedback, checkpoint model and compression state with
+    DCP, train 3 more; then, from the checkpoint, a fresh model with and without the compression
+    state trains the same 3 steps.  Every run's parameters at the end, all-gathered."""
+    import torch.distributed.checkpoint as dcp
+
+    from advisor.runtime import Plan
+    from advisor.runtime.sharded import compression_state_dict, install_sharded, load_compression_state_dict
+
+    plan = Plan.uniform("powersgd(rank=2)", warmup_steps=0)
+
+    def steps(model, first, count):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(first, first + count):
+            x, y = _batch(rank, step)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+    def full(model):
+        return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+    model = _sharded()
+    install_sharded(model, plan)
+    steps(model, 0, 3)
+    dcp.save({"model": model.state_dict(), "compression": compression_state_dict(model)}, checkpoint_id=directory)
+    steps(model, 3, 3)
+    out = {"straight": full(model)}
+    for name, with_state in (("resumed", True), ("resumed without residuals", False)):
+        fresh = _sharded(seed=7)  # other weights: the checkpoint must bring them
+        install_sharded(fresh, plan)
+        state = {"model": fresh.state_dict(), "compression": compression_state_dict(fresh)}
+        dcp.load(state, checkpoint_id=directory)
+        fresh.load_state_dict(state["model"])
+        if with_state:
+            load_compression_state_dict(fresh, state["compression"])
+        steps(fresh, 3, 3)
+        out[name] = full(fresh)
+    return out

@@ -114,3 +114,12 @@ def test_powersgd_on_full_batches_approximates_and_still_trains():
     assert first["powersgd"]["residual_bytes"] == 0  # no error feedback, no residual
     for n, value in out[0]["powersgd"]["full"].items():
         torch.testing.assert_close(value, out[1]["powersgd"]["full"][n], rtol=0, atol=0)
+
+
+def test_powersgd_residuals_travel_in_a_distributed_checkpoint_and_resuming_continues_bitwise(tmp_path):
+    out = launch_local(sp.resume_powersgd, 2, (str(tmp_path / "ckpt"),), timeout=180)
+    for r in out:
+        for n, value in r["straight"].items():
+            torch.testing.assert_close(r["resumed"][n], value, rtol=0, atol=0)
+        # without the residuals the run goes elsewhere: they carry what compression left out
+        assert any(not torch.equal(r["resumed without residuals"][n], v) for n, v in r["straight"].items())

@@ -36,6 +36,8 @@ def test_the_profile_times_and_measures_every_config_of_every_group(tuned):
         e = g["error"]
         # FSDP's own reduce-scatter is exact; fp16 keeps 10 mantissa bits, bf16 7, the 8-bit codes fewer
         assert e["none"] < 1e-6 < e["fp16"] < e["bf16"] < e["intquant(bits=8, packed=1)"] < 0.05, e
+        # PowerSGD's rank-16 approximation loses less than rank 4's (the root's head is too small at 16: exact)
+        assert e["powersgd(rank=16)"] < e["powersgd(rank=4)"] < 1.0, e
     assert profile["step_s"] > 0
 
 
@@ -50,8 +52,14 @@ def test_the_advice_is_measured_against_both_fp32_paths_and_installed_as_it_says
         group = next(g for g in result["profile"]["groups"] if g["name"] == (name or "(root)"))
         config = plan.config_for(group["parameters"][0]).label
         expected = {"none": "ExactReduceScatter" if exact else "DefaultReduceScatter", "fp16": "ExactReduceScatter",
-                    "bf16": "ExactReduceScatter"}.get(config, "Int8ReduceScatter")
+                    "bf16": "ExactReduceScatter"}.get(config, "PowerSGDReduceScatter" if config.startswith("powersgd")
+                                                      else "Int8ReduceScatter")
         assert comm == expected, (name, config, comm)
+    # the memory error feedback would cost is reported against the sharded parameters'
+    memory = result["memory"]
+    assert memory["sharded_parameter_bytes"] == 4 * (3 * (64 * 256 + 256 + 256 * 64 + 64) + 64 * 10 + 10) // 2
+    uses_powersgd = any(c.name == "powersgd" for c in plan.configs())
+    assert (memory["residual_bytes"] > 0) == uses_powersgd
     # training on under the advice keeps every rank's parameters identical
     for n, value in tuned[0]["full"].items():
         torch.testing.assert_close(value, tuned[1]["full"][n], rtol=0, atol=0)

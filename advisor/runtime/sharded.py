@@ -213,14 +213,24 @@ class PowerSGDReduceScatter(ExactReduceScatter):
 
     @property
     def residual_bytes(self) -> int:
+        """The residuals' memory on this rank now (they are made at the first step)."""
         return sum(r.numel() * r.element_size() for r in self.residuals.values())
+
+    def expected_residual_bytes(self) -> int:
+        """What the residuals will hold once training runs: every compressed matrix, unsharded, in fp32."""
+        return 4 * sum(s.rows * s.width for s in self.matrices()) if self.error_feedback else 0
+
+    def matrices(self) -> list[ShardSegment]:
+        """The segments PowerSGD compresses: matrices sharded on dim 0 where ``(rows + width) x rank``
+        is less than ``rows x width``."""
+        return [s for s in self.layout if s.matrix and (s.rows + s.width) * self.rank < s.rows * s.width]
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
         world = dist.get_world_size(group)
         me = dist.get_rank(group)
         rows = input_tensor.view(world, -1)
         self._zero_nonfinite(rows)
-        matrices = [s for s in self.layout if s.matrix and (s.rows + s.width) * self.rank < s.rows * s.width]
+        matrices = self.matrices()
         exact = [s for s in self.layout if s not in matrices]
         out = output_tensor.view(-1)
         if exact:  # the parameters PowerSGD leaves alone: an exact fp32 reduce-scatter of their segments
@@ -273,12 +283,56 @@ class PowerSGDReduceScatter(ExactReduceScatter):
         return q
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's residuals and warm-start Qs (its own: residuals differ between ranks)."""
-        return {**{f"residual/{k}": v for k, v in self.residuals.items()}, **{f"q/{k}": v for k, v in self.q.items()}}
+        """This rank's residuals and warm-start Qs, for every compressed matrix from the start (a
+        residual not made yet is zeros, a Q not warmed yet its seeded start): a checkpoint has the
+        same entries whenever it is taken, so one can be loaded into a fresh comm."""
+        state = {}
+        for s in self.matrices():
+            if self.error_feedback:
+                state[f"residual/{s.name}"] = self.residuals.get(s.name, torch.zeros(s.rows, s.width))
+            state[f"q/{s.name}"] = self._q(s, None)
+        return state
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         self.residuals = {k[len("residual/"):]: v.clone() for k, v in state.items() if k.startswith("residual/")}
         self.q = {k[len("q/"):]: v.clone() for k, v in state.items() if k.startswith("q/")}
+
+
+def compression_state_dict(model: torch.nn.Module) -> dict[str, Any]:
+    """The state every group's comm keeps between steps (PowerSGD's residuals and warm starts), for a
+    distributed checkpoint (``torch.distributed.checkpoint``) beside the model's and optimizer's.
+
+    Residuals differ between ranks, so each tensor goes in as a DTensor over the group's mesh with
+    one row a rank (``Shard(0)``): DCP then saves and loads every rank's own.  Every rank calls it.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    state = {}
+    for prefix, module, _ in sharded_groups(model):
+        group = module._get_fsdp_state()._fsdp_param_groups[0]
+        if isinstance(group._reduce_scatter_comm, PowerSGDReduceScatter):
+            for key, tensor in group._reduce_scatter_comm.state_dict().items():
+                state[f"{prefix or '(root)'}/{key}"] = DTensor.from_local(
+                    tensor.unsqueeze(0).contiguous(), group.mesh_info.mesh, [Shard(0)], run_check=False)
+    return state
+
+
+def load_compression_state_dict(model: torch.nn.Module, state: Mapping[str, Any]) -> None:
+    """Give every group's comm the state :func:`compression_state_dict` took (after the same plan
+    was installed); a group whose comm keeps state but finds none in ``state`` is an error."""
+    for prefix, module, _ in sharded_groups(model):
+        comm = module._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm
+        if not isinstance(comm, PowerSGDReduceScatter):
+            continue
+        head = f"{prefix or '(root)'}/"
+        mine = {k[len(head):]: v.to_local()[0] if hasattr(v, "to_local") else v
+                for k, v in state.items() if k.startswith(head)}
+        missing = sorted(set(comm.state_dict()) - set(mine))
+        if missing:
+            raise ValueError(f"the checkpoint has no compression state for group {prefix or '(root)'!r} "
+                             f"({missing[:2]}...): it was saved under another plan; install the plan it was "
+                             "saved with, or start that group's state afresh")
+        comm.load_state_dict(mine)
 
 
 @dataclass

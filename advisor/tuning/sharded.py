@@ -94,6 +94,8 @@ class ShardedAutotuneResult(VersionedDocument):
     budget_reason: str
     accuracy: AccuracyTrialReport | None = None
     seconds: dict[str, float] = field(default_factory=dict)
+    #: per rank: the sharded parameters' bytes and the installed plan's residuals' (error feedback)
+    memory: dict[str, int] = field(default_factory=dict)
     kind: str = SHARDED_RESULT_KIND
     version: int = 1
 
@@ -103,6 +105,9 @@ class ShardedAutotuneResult(VersionedDocument):
     def summary(self) -> list[str]:
         """The advice and every measured plan's evidence, a line each."""
         lines = [f"advice: {self.description} ({self.reason})"]
+        if self.memory.get("residual_bytes"):
+            lines.append(f"error feedback keeps {self.memory['residual_bytes'] / 2**20:.1f} MiB of residuals a rank, "
+                         f"against {self.memory['sharded_parameter_bytes'] / 2**20:.1f} MiB of sharded parameters")
         for e in self.evidence:
             tta = (f", to accuracy {e.time_to_accuracy:.2f}x ({e.tta_low:.2f}-{e.tta_high:.2f})"
                    if e.time_to_accuracy is not None else "")
@@ -281,18 +286,27 @@ def autotune_sharded(
     kind, plan, description, _ = arms[decision.chosen]
     plan = Plan.from_dict({**plan.to_dict(), "metadata": {**plan.metadata, "advisor": "autotune_sharded",
                                                           **({"accuracy": checked} if checked else {})}})
-    if install_plan:  # plan none without the exact all-to-all installs nothing: FSDP's own path runs
-        install_sharded(model, plan, group)
+    # plan none without the exact all-to-all installs nothing: FSDP's own path runs
+    installed = install_sharded(model, plan, group) if install_plan else []
     reason = decision.reason if accuracy_trial else decision.reason + "; accuracy_trial=False: decided on speed alone"
     return ShardedAutotuneResult(
         recommendation=decision.chosen, description=description, compress=decision.compress, reason=reason,
         plan=plan.to_dict(), profile=profile, measured=measured,
-        evidence=plan_evidence(measured, decision, {label: verdicts[label] for label in verdicts}),
+        evidence=plan_evidence(measured, decision, verdicts),
         predicted_s={label: v[3] for label, v in arms.items() if not math.isnan(v[3])},
         budget=problem.budget, budget_reason=budget_reason,
         accuracy=trial.report() if trial is not None else None,
+        memory=_memory(model, installed),
         seconds={"profile": t_profiled - t_start, "accuracy": (t_trialled - t_profiled) + (t_decided - t_measured),
                  "measure": t_measured - t_measuring, "total": time.perf_counter() - t_start})
+
+
+def _memory(model: torch.nn.Module, installed) -> dict[str, int]:
+    """This rank's sharded parameters' bytes, and what the installed comms' residuals will hold."""
+    local = sum(p.to_local().numel() * p.element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()
+                for p in model.parameters())
+    residual = sum(g.comm.expected_residual_bytes() for g in installed if hasattr(g.comm, "expected_residual_bytes"))
+    return {"sharded_parameter_bytes": int(local), "residual_bytes": int(residual)}
 
 
 def _sixteen_bit(problem: ShardedProblem, optimizer) -> str | None:
