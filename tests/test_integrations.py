@@ -204,3 +204,50 @@ def test_accelerate_refuses_a_single_process_accelerator_and_names_the_launch():
         prepared_ddp(Accelerator(cpu=True), torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="expected the Accelerator that prepared the model"):
         prepared_ddp(object(), torch.nn.Linear(2, 2))
+
+
+@pytest.fixture(scope="module")
+def lightning_fsdp_fits(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lightning_fsdp")
+    return _run([sys.executable, str(JOBS / "lightning_fsdp.py"), str(out)], out, timeout=600)
+
+
+@needs_lightning
+@pytest.mark.slow
+def test_lightning_fsdp2_plan_none_is_bitwise_lightnings_own_sharded_training(lightning_fsdp_fits):
+    fsdp, none = _ok(lightning_fsdp_fits, "fsdp"), _ok(lightning_fsdp_fits, "none")
+    for a, b in zip(fsdp, none):
+        assert a["digest"] == b["digest"] and a["losses"] == b["losses"]
+
+
+@needs_lightning
+@pytest.mark.slow
+def test_lightning_fsdp2_powersgd_plan_trains_alike_on_every_rank_and_resumes_with_its_residuals(lightning_fsdp_fits):
+    saved, resumed = _ok(lightning_fsdp_fits, "powersgd"), _ok(lightning_fsdp_fits, "resumed")
+    _ranks_agree(saved)
+    _ranks_agree(resumed)
+    for s, r in zip(saved, resumed):
+        assert s["residual_norm"] > 0
+        # the checkpoint's plan comes back instead of a second tuning, with this rank's own residuals
+        assert r["plan"] == s["plan"] and not r["tuned"]
+        assert r["residual_at_start"] == pytest.approx(s["residual_norm"], rel=1e-6)
+    assert saved[0]["residual_norm"] != saved[1]["residual_norm"]  # residuals are each rank's own
+
+
+@needs_lightning
+@pytest.mark.slow
+def test_lightning_fsdp2_autotune_tunes_the_sharded_model_on_every_rank(lightning_fsdp_fits):
+    runs = _ok(lightning_fsdp_fits, "autotune")
+    _ranks_agree(runs)
+    assert all(r["tuned"] and r["trial_arms"] >= 2 for r in runs)
+    assert runs[0]["advice"] == runs[1]["advice"] and runs[0]["plan"] == runs[1]["plan"]
+    if runs[0]["advice"] == "fp32":  # nothing installed: training is Lightning's own, from unchanged weights
+        assert runs[0]["digest"] == _ok(lightning_fsdp_fits, "fsdp")[0]["digest"]
+
+
+@needs_lightning
+@pytest.mark.slow
+def test_lightning_fsdp2_refuses_online_tuning_on_every_rank_naming_what_works(lightning_fsdp_fits):
+    for r in lightning_fsdp_fits:
+        assert "tune='wrap' cannot tune a sharded (fully_shard) model" in r["wrap"]["error"]
+        assert "tune='autotune', or plan=..." in r["wrap"]["error"]

@@ -20,6 +20,13 @@ Plan parameter names are the LightningModule's own (``module.named_parameters()`
 sees them.  The hook's state (error-feedback residuals, PowerSGD's memory) and the plan ride
 in Lightning checkpoints through the callback's ``state_dict``; a run resumed from a checkpoint
 installs the saved plan and state instead of tuning again.
+
+**Sharded training** (``ModelParallelStrategy``, the module's ``configure_model`` calling
+``fully_shard``): the same callback sets each ``fully_shard`` group's reduce-scatter
+(:func:`advisor.install_sharded`), or tunes one with :func:`advisor.autotune_sharded`
+(``tune="autotune"``; ``wrap`` is DDP's only).  The accuracy trial's shadows are fresh modules:
+``build=`` makes one, by default ``type(module)(**module.hparams)`` given the device mesh and
+sharded by its own ``configure_model`` (so the module must ``save_hyperparameters()``).
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ from advisor.runtime import Plan
 from advisor.runtime.plan import as_plan
 
 TUNE_MODES = (None, "autotune", "wrap")
+#: tuning modes a sharded (FSDP2) model can take
+SHARDED_TUNE_MODES = (None, "autotune")
 #: the wrap options that still apply when a resumed run only watches its checkpoint's plan
 WATCH_OPTIONS = ("watch_every", "backoff", "loss_z", "candidates", "group")
 
@@ -57,7 +66,8 @@ def training_step_loss(pl_module, precision_context: Callable[[], Any] | None = 
 
     ``model`` is a DDP model around ``pl_module`` or around a copy of it (the accuracy trial and
     the live timing train such copies): the call goes through that DDP's forward, so DDP
-    prepares its backward as in Lightning's own loop.  Lightning does this with a private
+    prepares its backward as in Lightning's own loop.  A sharded module (FSDP2) is its own
+    model, and its ``training_step`` is called directly, as Lightning does.  Lightning does this with a private
     helper (``_ForwardRedirection``), which is why it is rewritten here: ``forward`` is
     replaced for one call by ``training_step``.  ``self.log`` is muted during the call, so
     tuning steps leave no trace in the user's metrics.
@@ -65,9 +75,14 @@ def training_step_loss(pl_module, precision_context: Callable[[], Any] | None = 
     context = precision_context or contextlib.nullcontext
 
     def loss_fn(model, batch):
-        module = model.module if isinstance(model, DistributedDataParallel) else model
-        with _redirected_forward(module), _muted_logging(module), context():
-            out = model(batch, 0)
+        if isinstance(model, DistributedDataParallel):
+            module = model.module
+            with _redirected_forward(module), _muted_logging(module), context():
+                out = model(batch, 0)
+        else:  # a sharded module is its own model: Lightning calls its training_step directly
+            module = model
+            with _muted_logging(module), context():
+                out = module.training_step(batch, 0)
         loss = out.get("loss") if isinstance(out, Mapping) else out
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError(
@@ -157,9 +172,13 @@ class CompressionCallback(Callback):
         self.result = None
         self.tuner = None
         self._restored: dict[str, Any] | None = None
+        self._model = None  # the sharded model, where the strategy shards it
 
     # --- Lightning's hooks ---------------------------------------------------------------
     def on_fit_start(self, trainer, pl_module) -> None:
+        self._model = None
+        if _is_sharded(trainer):
+            return self._sharded_fit_start(trainer)
         ddp = _ddp_of(trainer)
         if self.hook is not None:  # a second fit with the same callback: the model is new
             self.hook.close()
@@ -186,6 +205,8 @@ class CompressionCallback(Callback):
             self.hook = advisor.install(ddp, self.plan)
 
     def on_train_start(self, trainer, pl_module) -> None:
+        if self._model is not None:
+            return self._sharded_train_start(trainer, pl_module)
         if self.hook is not None or self.tune is None:
             return
         ddp = _ddp_of(trainer)
@@ -216,10 +237,59 @@ class CompressionCallback(Callback):
     # --- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The plan and every rank's hook state; Lightning calls it on every rank and saves rank 0's."""
+        if isinstance(self.hook, _ShardedInstalled):
+            from advisor.runtime.sharded import gathered_compression_state
+
+            return gathered_compression_state(self._model, self.hook.plan)
         return self.hook.gathered_state_dict() if self.hook is not None else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = dict(state_dict) if state_dict else None
+
+    # --- sharded training ----------------------------------------------------------------------
+    def _sharded_fit_start(self, trainer) -> None:
+        """Install a given plan on the sharded model before any step; a checkpoint's state arrives later
+        (this strategy restores it after setup), so restoring and tuning wait for ``on_train_start``."""
+        from advisor.runtime.sharded import install_sharded
+
+        if self.tune not in SHARDED_TUNE_MODES:
+            raise ValueError(f"tune={self.tune!r} cannot tune a sharded (fully_shard) model; allowed there: "
+                             f"{', '.join(repr(m) for m in SHARDED_TUNE_MODES)}: tune='autotune', or plan=...")
+        self._model, self.result, self.hook = trainer.strategy.model, None, None
+        if self.plan is not None:
+            plan = as_plan(self.plan)
+            install_sharded(self._model, plan)
+            self.hook = _ShardedInstalled(plan)
+
+    def _sharded_train_start(self, trainer, pl_module) -> None:
+        """Resume the checkpoint's plan and residuals (no second tuning), or tune."""
+        from advisor.runtime.sharded import install_sharded, load_gathered_compression_state
+
+        restored, self._restored = self._restored, None
+        if restored is not None and not restored.get("sharded"):
+            raise ValueError("the checkpoint holds a DDP hook's state, but this run shards the model; resume it "
+                             "under the strategy it was saved with")
+        if restored is not None:
+            plan = Plan.from_dict(restored["plan"])
+            if self.hook is None:
+                install_sharded(self._model, plan)
+                self.hook = _ShardedInstalled(plan)
+            elif self.hook.plan.digest() != plan.digest():
+                warnings.warn("the checkpoint was trained under another plan than the one given; the given plan is "
+                              "kept and the checkpoint's residuals, which belong to the other, are dropped",
+                              stacklevel=2)
+                return
+            if not load_gathered_compression_state(self._model, restored):
+                warnings.warn(f"the checkpoint holds the compression state of {len(restored['ranks'])} ranks, not "
+                              "of this run's; the saved plan is installed with fresh residuals", stacklevel=2)
+            return
+        if self.hook is None and self.tune == "autotune":
+            loss_fn, batches = self._tuning_data(trainer, pl_module)
+            options = dict(self.options)
+            build = options.pop("build", None) or _default_build(pl_module)
+            self.result = advisor.autotune_sharded(self._model, loss_fn, batches, _the_optimizer(trainer),
+                                                   build=build, **options)
+            self.hook = _ShardedInstalled(self.result.installed_plan())
 
     # --- the pieces ------------------------------------------------------------------------
     def _tuning_data(self, trainer, pl_module):
@@ -231,6 +301,45 @@ class CompressionCallback(Callback):
             loss_fn = training_step_loss(pl_module, trainer.precision_plugin.train_step_context)
         batches = list(self.batches) if self.batches is not None else _first_batches(trainer, self.tune_batches)
         return loss_fn, batches
+
+
+class _ShardedInstalled:
+    """What the callback installed on a sharded model: the plan (the comms live in FSDP's groups)."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+
+    def close(self) -> None:
+        """Nothing to stop: the comms are called by FSDP itself."""
+
+
+def _is_sharded(trainer) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    model = trainer.strategy.model
+    return not isinstance(model, DistributedDataParallel) and any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _default_build(pl_module):
+    """A fresh copy of the module for the accuracy trial: its class from its saved hyperparameters, given
+    the device mesh, sharded by its own ``configure_model``."""
+    if not pl_module.hparams and type(pl_module).__init__ is not object.__init__:
+        import inspect
+
+        required = [p for p in list(inspect.signature(type(pl_module).__init__).parameters.values())[1:]
+                    if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if required:
+            raise ValueError(f"the accuracy trial builds fresh copies of {type(pl_module).__name__}, whose __init__ "
+                             f"needs {[p.name for p in required]}: call self.save_hyperparameters() in it, or pass "
+                             "CompressionCallback(build=...) returning a fresh sharded module")
+
+    def build():
+        fresh = type(pl_module)(**pl_module.hparams)
+        fresh._device_mesh = pl_module.device_mesh
+        fresh.configure_model()
+        return fresh
+
+    return build
 
 
 def _ddp_of(trainer) -> DistributedDataParallel:

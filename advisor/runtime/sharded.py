@@ -298,6 +298,14 @@ class PowerSGDReduceScatter(ExactReduceScatter):
         self.q = {k[len("q/"):]: v.clone() for k, v in state.items() if k.startswith("q/")}
 
 
+def _stateful_comms(model: torch.nn.Module):
+    """(state key prefix, the group's FSDP param group, its comm) of every group whose comm keeps state."""
+    for prefix, module, _ in sharded_groups(model):
+        group = module._get_fsdp_state()._fsdp_param_groups[0]
+        if isinstance(group._reduce_scatter_comm, PowerSGDReduceScatter):
+            yield f"{prefix or '(root)'}/", group, group._reduce_scatter_comm
+
+
 def compression_state_dict(model: torch.nn.Module) -> dict[str, Any]:
     """The state every group's comm keeps between steps (PowerSGD's residuals and warm starts), for a
     distributed checkpoint (``torch.distributed.checkpoint``) beside the model's and optimizer's.
@@ -307,31 +315,42 @@ def compression_state_dict(model: torch.nn.Module) -> dict[str, Any]:
     """
     from torch.distributed.tensor import DTensor, Shard
 
-    state = {}
-    for prefix, module, _ in sharded_groups(model):
-        group = module._get_fsdp_state()._fsdp_param_groups[0]
-        if isinstance(group._reduce_scatter_comm, PowerSGDReduceScatter):
-            for key, tensor in group._reduce_scatter_comm.state_dict().items():
-                state[f"{prefix or '(root)'}/{key}"] = DTensor.from_local(
-                    tensor.unsqueeze(0).contiguous(), group.mesh_info.mesh, [Shard(0)], run_check=False)
-    return state
+    return {head + key: DTensor.from_local(tensor.unsqueeze(0).contiguous(), group.mesh_info.mesh, [Shard(0)],
+                                           run_check=False)
+            for head, group, comm in _stateful_comms(model) for key, tensor in comm.state_dict().items()}
+
+
+def gathered_compression_state(model: torch.nn.Module, plan: Plan, group=None) -> dict[str, Any]:
+    """The plan and every rank's comm state, gathered (collective: every rank calls it): for
+    checkpoints that keep rank 0's objects only (Lightning's callback state)."""
+    local = {head + key: tensor.clone() for head, _, comm in _stateful_comms(model)
+             for key, tensor in comm.state_dict().items()}
+    return {"sharded": True, "plan": plan.to_dict(), "ranks": every_rank(local, group) if dist.is_initialized()
+            else [local]}
+
+
+def load_gathered_compression_state(model: torch.nn.Module, gathered: Mapping[str, Any], group=None) -> bool:
+    """This rank's part of :func:`gathered_compression_state` into the installed comms; False (nothing
+    loaded, the residuals start from zero) where the world size changed since it was saved."""
+    states = gathered["ranks"]
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if len(states) != world:
+        return False
+    load_compression_state_dict(model, states[dist.get_rank(group) if dist.is_initialized() else 0])
+    return True
 
 
 def load_compression_state_dict(model: torch.nn.Module, state: Mapping[str, Any]) -> None:
     """Give every group's comm the state :func:`compression_state_dict` took (after the same plan
     was installed); a group whose comm keeps state but finds none in ``state`` is an error."""
-    for prefix, module, _ in sharded_groups(model):
-        comm = module._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm
-        if not isinstance(comm, PowerSGDReduceScatter):
-            continue
-        head = f"{prefix or '(root)'}/"
+    for head, _, comm in _stateful_comms(model):
         mine = {k[len(head):]: v.to_local()[0] if hasattr(v, "to_local") else v
                 for k, v in state.items() if k.startswith(head)}
         missing = sorted(set(comm.state_dict()) - set(mine))
         if missing:
-            raise ValueError(f"the checkpoint has no compression state for group {prefix or '(root)'!r} "
-                             f"({missing[:2]}...): it was saved under another plan; install the plan it was "
-                             "saved with, or start that group's state afresh")
+            raise ValueError(f"the checkpoint has no compression state for group {head[:-1]!r} ({missing[:2]}...): "
+                             "it was saved under another plan; install the plan it was saved with, or start that "
+                             "group's state afresh")
         comm.load_state_dict(mine)
 
 
