@@ -91,7 +91,7 @@ def install_expecting_error(rank: int, world_size: int, case: str):
     if case == "split group":
         plan = Plan.from_assignments({"blocks.0.0.weight": "bf16"}, default="fp16")
     elif case == "unsupported":
-        plan = Plan.uniform("powersgd(rank=2)")
+        plan = Plan.uniform("topk(ratio=0.01)")
     elif case == "comm already set":
         model.blocks[1].set_custom_reduce_scatter(ExactReduceScatter())
     elif case == "different plans":

@@ -53,7 +53,7 @@ def test_the_advice_is_measured_against_both_fp32_paths_and_installed_as_it_says
         config = plan.config_for(group["parameters"][0]).label
         expected = {"none": "ExactReduceScatter" if exact else "DefaultReduceScatter", "fp16": "ExactReduceScatter",
                     "bf16": "ExactReduceScatter"}.get(config, "PowerSGDReduceScatter" if config.startswith("powersgd")
-                                                      else "Int8ReduceScatter")
+                                                      else "IntReduceScatter")
         assert comm == expected, (name, config, comm)
     # the memory error feedback would cost is reported against the sharded parameters'
     memory = result["memory"]

@@ -13,9 +13,11 @@ receives, so every value crosses the wire once):
 * ``none`` with :class:`ExactReduceScatter`: the rows in fp32, summed in fp32.  The fair
   baseline on gloo, whose own reduce-scatter all-reduces the whole buffer (about twice the bytes).
 * ``fp16`` / ``bf16``: the rows cast to 16 bits, summed in fp32 on arrival.
-* ``intquant(bits=8)``: each block of :data:`BLOCK` values as int8 codes with stochastic rounding
-  (unbiased, so no residual is kept: error feedback on a sharded model would cost the memory
-  sharding saves) and one fp32 scale, dequantised and summed in fp32.
+* ``intquant(bits=8)`` / ``intquant(bits=4)``: each block of :data:`BLOCK` values as 8- or 4-bit
+  integer codes with stochastic rounding (unbiased, so no residual is kept: error feedback on a
+  sharded model would cost the memory sharding saves) and one fp32 scale, dequantised and
+  summed in fp32 (4-bit codes two to a byte, as DeepSpeed's qgZ sends them).
+* ``powersgd(rank=r)``: see :class:`PowerSGDReduceScatter`.
 
 Plan ``none`` on a group installs nothing there: FSDP's own path runs untouched, unless the
 plan's metadata asks for the exact all-to-all instead (``{EXACT_FP32: "all-to-all"}``: where it
@@ -49,7 +51,7 @@ BLOCK = 256
 #: the configs a sharded group can run by default (autotune_sharded's candidates); PowerSGD runs at any rank
 SHARDED_CONFIGS = ("none", "fp16", "bf16", "intquant(bits=8)", "powersgd(rank=4)", "powersgd(rank=16)")
 #: what a sharded group can run, in words (errors name it)
-SHARDED_ALLOWED = "none, fp16, bf16, intquant(bits=8), powersgd(rank=r)"
+SHARDED_ALLOWED = "none, fp16, bf16, intquant(bits=8), intquant(bits=4), powersgd(rank=r)"
 #: plan metadata key: ``"all-to-all"`` runs the groups whose config is ``none`` through
 #: :class:`ExactReduceScatter` (fp32, exact) instead of FSDP's own reduce-scatter
 EXACT_FP32 = "sharded_fp32"
@@ -114,36 +116,46 @@ class ExactReduceScatter(_reduce_scatter_base()):
             torch.nan_to_num_(rows, nan=0.0, posinf=0.0, neginf=0.0)
 
 
-class Int8ReduceScatter(ExactReduceScatter):
-    """Block-quantised rows: int8 codes (stochastic rounding) and one fp32 scale per :data:`BLOCK`
-    values, in two all-to-alls (codes, then scales), dequantised and summed in fp32.
+class IntReduceScatter(ExactReduceScatter):
+    """Block-quantised rows: ``bits``-bit integer codes (stochastic rounding) and one fp32 scale per
+    :data:`BLOCK` values, in two all-to-alls (codes, then scales), dequantised and summed in fp32.
+    8-bit codes travel as int8; 4-bit codes (qgZ's width) two to a byte.
 
     Stochastic rounding makes each rank's decoded row an unbiased estimate of its row, so the sum
     is unbiased without a residual.  Its noise is seeded from ``seed``, the step and the rank, so
     it is reproducible and never draws from torch's global generator.
     """
 
-    def __init__(self, name: str = "", seed: int = 0) -> None:
+    def __init__(self, name: str = "", seed: int = 0, bits: int = 8) -> None:
         super().__init__(torch.float32, name)
-        self.seed = seed
+        if bits not in (4, 8):
+            raise ValueError(f"bits={bits!r}; allowed on a sharded group: 4 or 8")
+        self.seed, self.bits = seed, bits
         self.step = 0
 
     def _exchange(self, rows: torch.Tensor, group) -> torch.Tensor:
         world, shard = rows.shape
+        levels = (1 << (self.bits - 1)) - 1  # codes in [-levels, levels]: 127 or 7
         blocks = -(-shard // BLOCK)
         padded = rows.new_zeros(world, blocks * BLOCK, dtype=torch.float32)
         padded[:, :shard] = rows
         padded = padded.view(world, blocks, BLOCK)
-        scales = padded.abs().amax(dim=2).div_(127.0).clamp_(min=torch.finfo(torch.float32).tiny)
+        scales = padded.abs().amax(dim=2).div_(float(levels)).clamp_(min=torch.finfo(torch.float32).tiny)
         gen = torch.Generator(device=rows.device)
         gen.manual_seed((self.seed * 1_000_003 + self.step * 7_919 + dist.get_rank(group) * 104_729) % (2**63 - 1))
         noise = torch.rand(padded.shape, generator=gen, device=rows.device)
-        codes = padded.div_(scales.unsqueeze(2)).add_(noise).floor_().clamp_(-127, 127).to(torch.int8)
+        codes = padded.div_(scales.unsqueeze(2)).add_(noise).floor_().clamp_(-levels, levels).to(torch.int8)
         self.step += 1
+        if self.bits == 4:  # two codes a byte, offset to 0..14
+            nibbles = (codes + levels).to(torch.uint8).view(world, blocks, BLOCK // 2, 2)
+            codes = nibbles[..., 0] | (nibbles[..., 1] << 4)
         got_codes = torch.empty_like(codes)
         got_scales = torch.empty_like(scales)
         dist.all_to_all_single(got_codes, codes, group=group)
         dist.all_to_all_single(got_scales, scales, group=group)
+        if self.bits == 4:
+            got_codes = torch.stack([got_codes & 0x0F, got_codes >> 4], dim=-1).view(world, blocks, BLOCK)
+            got_codes = got_codes.to(torch.int8) - levels
         decoded = got_codes.to(torch.float32).mul_(got_scales.unsqueeze(2))
         return decoded.view(world, blocks * BLOCK)[:, :shard]
 
@@ -367,7 +379,7 @@ class ShardedGroup:
 def sharded_config_allowed(config: CompressorConfig) -> bool:
     """Whether a sharded group can run ``config`` (:data:`SHARDED_ALLOWED`)."""
     return (config.label in ("none", "fp16", "bf16") or config.name == "powersgd"
-            or (config.name == "intquant" and config.params.get("bits") == 8))
+            or (config.name == "intquant" and config.params.get("bits") in (4, 8)))
 
 
 def comm_for(config: CompressorConfig, name: str, seed: int = 0, layout: list[ShardSegment] | None = None):
@@ -385,7 +397,7 @@ def comm_for(config: CompressorConfig, name: str, seed: int = 0, layout: list[Sh
         if layout is None:
             raise ValueError(f"PowerSGD on sharded group {name!r} needs the group's layout (group_layout(module))")
         return PowerSGDReduceScatter(layout, config.params["rank"], name, config.error_feedback is not False, seed)
-    return Int8ReduceScatter(name, seed)
+    return IntReduceScatter(name, seed, config.params["bits"])
 
 
 def sharded_groups(model: torch.nn.Module) -> list[tuple[str, Any, tuple[str, ...]]]:
