@@ -349,10 +349,13 @@ def report_cmd(path, profile_path, png, as_json) -> None:
                    "else fp16).")
 @click.option("--target", type=float, default=None, help="Metric value to time every arm to (default: fp32's final).")
 @click.option("--nproc", default=2, show_default=True)
+@click.option("--sharded", is_flag=True, help="Shard every arm with the workload's shard= (FSDP2) and put the plan on "
+                                             "its fully_shard groups' reduce-scatters.")
 @click.option("--png", default=None, help="Write the curves (against steps and wall time) here.")
 @click.option("--out", "out_path", default=None, help="Write the validation report JSON here.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def validate_cmd(spec, plan_path, rate, steps, eval_every, sixteen, target, nproc, png, out_path, as_json) -> None:
+def validate_cmd(spec, plan_path, rate, steps, eval_every, sixteen, target, nproc, sharded, png, out_path,
+                 as_json) -> None:
     """Time to accuracy: fp32, 16-bit and the plan from the same start and batches."""
 
 
@@ -361,7 +364,7 @@ def validate_cmd(spec, plan_path, rate, steps, eval_every, sixteen, target, npro
         with status.status(f"training fp32, {sixteen or '16-bit'} and the plan for {steps} steps each on {nproc} ranks"
                            + ("" if plan_path else " (autotuning first)") + " ..."):
             report = validate_workload(spec, plan_path, nproc=nproc, rate=rate, steps=steps, eval_every=eval_every,
-                                       sixteen=sixteen, target=target)
+                                       sixteen=sixteen, target=target, sharded=sharded)
     except ValueError as exc:
         fail(str(exc))
     if out_path:

@@ -66,3 +66,23 @@ def test_autotune_inside_validate_takes_a_loader_and_repeats_the_same_call():
     assert report.plan == report.autotune["plan"], "the first call's advice is the plan validated"
     again = type(report).from_json(report.to_json())
     assert again.repeats == report.repeats
+
+
+@pytest.mark.slow
+def test_a_sharded_workload_is_autotuned_and_validated_with_its_fully_shard_groups():
+    report = validate_workload(DIGITS, None, steps=20, eval_every=10, sharded=True,
+                               autotune_kwargs={"trial_s": 6.0, "top": 1, "rounds": 2, "max_rounds": 2,
+                                                "candidates": ["none", "bf16", "intquant(bits=8)"]})
+    assert report.autotune["kind"] == "sharded-autotune-result"
+    # the root holds no parameters of its own here: two groups
+    assert [g["name"] for g in report.autotune["profile"]["groups"]] == ["features", "classifier"]
+    assert report.plan == report.autotune["plan"]
+    assert [a.kind for a in report.arms] == ["fp32", "fp32 (other order)", "16-bit", "plan"]
+    assert len({a.metrics["loss"][0] for a in report.arms}) == 1  # every arm from the same weights
+    assert report.arm("fp32").final("accuracy") > 0.5
+    assert type(report).from_json(report.to_json()) == report
+
+
+def test_a_workload_that_cannot_shard_is_refused_naming_the_fix():
+    with pytest.raises(Exception, match="says nothing of how to shard its model: give it shard="):
+        validate_workload("advisor.workloads:mlp", Plan.uniform("bf16"), steps=2, sharded=True, timeout=120)

@@ -142,12 +142,25 @@ class ValidationReport(VersionedDocument):
 
 def _train_arm(workload, initial: dict, plan: Plan | None, batches: list, steps: int, eval_every: int,
                evaluate, metric: str, label: str, kind: str, description: str, group=None,
-               until: tuple[float, bool] | None = None, max_steps: int | None = None) -> ValidationCurve:
-    """Train one arm for ``steps`` steps, and on (up to ``max_steps``) until ``until = (target, higher)`` is reached."""
-    model = copy.deepcopy(workload.model)
-    model.load_state_dict(initial)
-    ddp = DistributedDataParallel(model, process_group=group)
-    hook = install(ddp, plan, group=group) if plan is not None else None
+               until: tuple[float, bool] | None = None, max_steps: int | None = None,
+               sharded: bool = False) -> ValidationCurve:
+    """Train one arm for ``steps`` steps, and on (up to ``max_steps``) until ``until = (target, higher)`` is reached.
+
+    ``sharded``: the model sharded by the workload's ``shard`` (FSDP2), the plan's reduce-scatters
+    installed on its groups; else DDP, the plan's hook installed on it.
+    """
+    hook = None
+    if sharded:  # the sharded model trains and is evaluated itself
+        from advisor.runtime.sharded import install_sharded
+
+        model = ddp = _sharded_copy(workload, initial)
+        if plan is not None:
+            install_sharded(ddp, plan, group)
+    else:
+        model = copy.deepcopy(workload.model)
+        model.load_state_dict(initial)
+        ddp = DistributedDataParallel(model, process_group=group)
+        hook = install(ddp, plan, group=group) if plan is not None else None
     opt = workload.optimizer(model)
     checkpoints, seconds, curve, times = [0], [0.0], [], []
     curve.append(evaluate_on_every_rank(evaluate, [model], metric, group, require_finite=True)[0])
@@ -179,13 +192,25 @@ def _train_arm(workload, initial: dict, plan: Plan | None, batches: list, steps:
     return ValidationCurve(label, kind, description, checkpoints, seconds, metrics, step_s, noise, steps)
 
 
+def _sharded_copy(workload, initial: dict):
+    """A copy of the workload's model from ``initial``, sharded by its ``shard`` (every rank)."""
+    model = copy.deepcopy(workload.model)
+    model.load_state_dict(initial)
+    workload.shard(model)
+    return model
+
+
 def _reached(value: float, target: float, higher: bool) -> bool:
     return value >= target if higher else value <= target
 
 
 def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, steps: int, eval_every: int,
-                   sixteen: str | None, target: float | None, extra: float, autotune_kwargs: dict, where: str):
+                   sixteen: str | None, target: float | None, extra: float, autotune_kwargs: dict, where: str,
+                   sharded: bool = False):
     workload = build_workload(spec)
+    if sharded and workload.shard is None:
+        raise ValueError(f"workload {spec!r} says nothing of how to shard its model: give it shard= (a function "
+                         "applying fully_shard to its blocks, then its root)")
     if sixteen is None:
         sixteen = preferred_sixteen_bit(workload.optimizer(copy.deepcopy(workload.model)))
     evaluate = workload.evaluator()
@@ -200,11 +225,19 @@ def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, ste
         autotune_kwargs = dict(autotune_kwargs)
         data, times = autotune_kwargs.pop("data", None), autotune_kwargs.pop("repeats", 1)
         for i in range(times):  # the same call from the same start: does the advice hold?
-            tuned = copy.deepcopy(workload.model)
-            ddp = DistributedDataParallel(tuned)
-            result = autotune(ddp, workload.loss_fn, tuning_data(mine, data), workload.optimizer(tuned),
-                              evaluate=evaluate, metric=workload.metric, install_plan=False, where=where,
-                              **autotune_kwargs)
+            if sharded:
+                from advisor.tuning.sharded import autotune_sharded
+
+                tuned = ddp = _sharded_copy(workload, initial)
+                result = autotune_sharded(tuned, workload.loss_fn, tuning_data(mine, data), workload.optimizer(tuned),
+                                          build=lambda: _sharded_copy(workload, initial), evaluate=evaluate,
+                                          metric=workload.metric, install_plan=False, **autotune_kwargs)
+            else:
+                tuned = copy.deepcopy(workload.model)
+                ddp = DistributedDataParallel(tuned)
+                result = autotune(ddp, workload.loss_fn, tuning_data(mine, data), workload.optimizer(tuned),
+                                  evaluate=evaluate, metric=workload.metric, install_plan=False, where=where,
+                                  **autotune_kwargs)
             repeats.append(result.to_dict() if rank == 0 else None)
             if i == 0:  # every rank validates the first call's plan (the calls may disagree)
                 plan_dict, advice = result.plan, f"autotune's advice: {result.reason}"
@@ -214,18 +247,19 @@ def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, ste
     description = plan.metadata.get("description") or _describe(plan)
     native = plan.metadata.get("native") or _describe(plan) == "none everywhere"
     arms = [_train_arm(workload, initial, None, mine, steps, eval_every, evaluate, workload.metric,
-                       FP32, FP32, "fp32 (native DDP)")]
+                       FP32, FP32, "fp32 (native DDP)", sharded=sharded)]
     # the same run in another batch order: how far apart two equally good runs end (the noise
     # every final value is judged against)
     shuffled = random.Random(1).sample(mine, len(mine))
     arms.append(_train_arm(workload, initial, None, shuffled, steps, eval_every, evaluate, workload.metric,
-                           NOISE, NOISE, "fp32, batches in another order"))
+                           NOISE, NOISE, "fp32, batches in another order", sharded=sharded))
     goal = target if target is not None else workload.target
     goal = goal if goal is not None else arms[0].final(workload.metric)
     # the other arms train on (up to ``extra`` times the steps) until they reach it: time to accuracy
     until = {"until": (goal, higher_is_better(workload.metric)), "max_steps": math.ceil(extra * steps)}
     arms.append(_train_arm(workload, initial, Plan.uniform(sixteen, warmup_steps=0), mine, steps, eval_every,
-                           evaluate, workload.metric, sixteen, SIXTEEN_BIT, f"{sixteen} everywhere", **until))
+                           evaluate, workload.metric, sixteen, SIXTEEN_BIT, f"{sixteen} everywhere", sharded=sharded,
+                           **until))
     if native:
         arms.append(ValidationCurve(**{**arms[0].__dict__, "label": "plan", "kind": PLAN,
                                        "description": "the plan: fp32 (native DDP, no hook)"}))
@@ -234,7 +268,7 @@ def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, ste
                                        "description": f"the plan: {sixteen} everywhere"}))
     else:
         arms.append(_train_arm(workload, initial, plan, mine, steps, eval_every, evaluate, workload.metric,
-                               "plan", PLAN, f"the plan: {description}", **until))
+                               "plan", PLAN, f"the plan: {description}", sharded=sharded, **until))
     return {"arms": arms, "plan": plan.to_dict(), "description": description, "advice": advice,
             "metric": workload.metric, "target": workload.target, "where": where, "autotune": tuned_result,
             "repeats": repeats[1:]}
@@ -259,7 +293,7 @@ def _describe(plan: Plan) -> str:
 def validate_workload(spec: str, plan=None, *, nproc: int = 2, rate: str | None = None, steps: int = 300,
                       eval_every: int | None = None, sixteen: str | None = None, target: float | None = None,
                       extra_steps: float = 2.0, autotune_kwargs: dict | None = None,
-                      timeout: float = 3000.0) -> ValidationReport:
+                      timeout: float = 3000.0, sharded: bool = False) -> ValidationReport:
     """Train fp32, ``sixteen`` and ``plan`` on ``nproc`` ranks for ``steps`` steps; compare time to accuracy.
 
     Args:
@@ -278,6 +312,9 @@ def validate_workload(spec: str, plan=None, *, nproc: int = 2, rate: str | None 
             two of the job's own: ``data``, the batches autotune sees (see :func:`tuning_data`),
             and ``repeats``, how many times the same call runs from the same start (the first
             one's plan is validated; the others are in ``report.repeats``).
+        sharded: shard every arm's model with the workload's ``shard`` (FSDP2), install plans on its
+            ``fully_shard`` groups (:func:`advisor.install_sharded`), and autotune with
+            :func:`advisor.autotune_sharded` where no plan is given.
 
     Returns:
         A :class:`ValidationReport`: each arm's curve, its time to the target and its
@@ -307,7 +344,7 @@ def validate_workload(spec: str, plan=None, *, nproc: int = 2, rate: str | None 
     kwargs = dict(autotune_kwargs or {})
 
     def args(where: str):
-        return (spec, plan_dict, steps, eval_every, sixteen, target, extra_steps, kwargs, where)
+        return (spec, plan_dict, steps, eval_every, sixteen, target, extra_steps, kwargs, where, sharded)
 
     out = run_ranks(_validate_rank, nproc, args, rate=rate, timeout=timeout)[0]
     arms: list[ValidationCurve] = out["arms"]

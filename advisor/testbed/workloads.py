@@ -46,6 +46,9 @@ class Workload:
     evaluate: Evaluator | None = None
     metric: str = "loss"
     target: float | None = None
+    #: ``shard(model)``: applies ``fully_shard`` to the model's blocks, then its root, in place; how
+    #: the workload trains sharded (``advisor validate --sharded``), None where it does not
+    shard: Callable[[nn.Module], None] | None = None
 
     def optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """The workload's optimizer over ``model``'s parameters (default: the workload's model)."""
@@ -236,7 +239,17 @@ def digits() -> Workload:
     batches = [(x[order[i : i + 32]], y[order[i : i + 32]]) for i in range(0, len(y) - 31, 32)]
     return Workload(_DigitsNet(), _cross_entropy, batches, name="digits-cnn",
                     held_out=[(x_test, y_test)], evaluate=_digits_evaluator(x_test, y_test),
-                    make_optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9))
+                    make_optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+                    shard=_shard_digits)
+
+
+def _shard_digits(model: nn.Module) -> None:
+    """The convolutions, the classifier, then the root: three ``fully_shard`` groups."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model.features)
+    fully_shard(model.classifier)
+    fully_shard(model)
 
 
 # --- a language model on real text: the Python standard library's own sources ------------------
@@ -324,4 +337,14 @@ def text_lm() -> Workload:
     batches = list(windows[: len(windows) // 16 * 16].split(16))
     held_out = _windows(held, 16, TEXT_CONTEXT)[:4]
     return Workload(_TextLM(), _next_token_loss, batches, name="stdlib-text-lm", held_out=held_out,
-                    make_optimizer=lambda params: torch.optim.AdamW(params, lr=2e-3, weight_decay=0.01))
+                    make_optimizer=lambda params: torch.optim.AdamW(params, lr=2e-3, weight_decay=0.01),
+                    shard=_shard_text_lm)
+
+
+def _shard_text_lm(model: nn.Module) -> None:
+    """One ``fully_shard`` group per transformer layer, then the root (embeddings, norm, head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.blocks.layers:
+        fully_shard(layer)
+    fully_shard(model)
