@@ -257,3 +257,19 @@ def resume_powersgd(rank: int, world_size: int, directory: str):
         steps(fresh, 3, 3)
         out[name] = full(fresh)
     return out
+
+
+def ddp_tuners_on_a_sharded_model(rank: int, world_size: int):
+    """What autotune and wrap say to a sharded model, on this rank."""
+    import advisor
+
+    model = _sharded()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    said = []
+    for call in (lambda: advisor.autotune(model, _cross_entropy, [_batch(rank, 0)], opt),
+                 lambda: advisor.wrap(model, opt)):
+        try:
+            call()
+        except TypeError as exc:
+            said.append(str(exc))
+    return said

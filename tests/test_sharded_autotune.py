@@ -84,3 +84,10 @@ def test_autotune_sharded_refuses_a_missing_or_wrong_build_on_every_rank():
     missing = launch_local(sp.autotune_wide, 2, ({"trial_s": 5.0}, "none"), timeout=300)
     for r in missing:
         assert "pass build=" in r["error"] and "accuracy_trial=False" in r["error"], r["error"]
+
+
+def test_the_ddp_tuners_refuse_a_sharded_model_naming_autotune_sharded():
+    for said in launch_local(sp.ddp_tuners_on_a_sharded_model, 2, (), timeout=120):
+        assert len(said) == 2
+        for message in said:
+            assert "it is sharded with fully_shard (FSDP2): tune it with advisor.autotune_sharded" in message, message

@@ -60,6 +60,7 @@ from advisor.tuning.steps import (
     decide_time_to_accuracy,
     fidelity_error,
     final_plan,
+    not_ddp,
     search,
     search_layouts,
     settled,
@@ -288,7 +289,7 @@ def _checked_arguments(ddp_model, candidates, budget, reference, trials, top, ro
                        tolerance) -> tuple[list[str], bool]:
     """Refuse a bad argument before any work; return the config labels and whether the budget is to be earned."""
     if not isinstance(ddp_model, DistributedDataParallel):
-        raise TypeError(f"autotune needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
+        raise not_ddp("autotune", ddp_model)
     if not dist.is_initialized():
         raise RuntimeError("autotune needs an initialised process group (torchrun, or advisor.testbed.launch)")
     labels = candidate_labels(candidates, budget, reference)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from advisor.compressors.registry import parse
 from advisor.core.collectives import from_rank_zero, rank
@@ -102,6 +103,16 @@ class Arm:
     predicted_s: float
     #: the tuning problem ``choices`` index: the bucket layout the plan was searched under
     problem: TuningProblem | None = field(default=None, repr=False, compare=False)
+
+
+def not_ddp(who: str, model) -> TypeError:
+    """The refusal of a model that is not DDP, naming what to call instead for a sharded one."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = isinstance(model, torch.nn.Module) and any(isinstance(m, FSDPModule) for m in model.modules())
+    return TypeError(f"{who} needs a DistributedDataParallel model, got {type(model).__name__}" + (
+        "; it is sharded with fully_shard (FSDP2): tune it with advisor.autotune_sharded(model, loss_fn, batches, "
+        "optimizer, build=...)" if sharded else ""))
 
 
 # --- 1. profile ---------------------------------------------------------------------------

@@ -91,6 +91,7 @@ from advisor.tuning.steps import (
     candidate_labels,
     check_trial_budget,
     decide_time_to_accuracy,
+    not_ddp,
     search,
     search_layouts,
     shared_profile,
@@ -464,7 +465,7 @@ def _check_arguments(ddp, optimizer, observe_steps, trial_steps, top, trials, wa
                      trial_share, tolerance, fidelity_sample, fidelity_window, fidelity_drift, retrial_share) -> None:
     """Refuse a bad argument before anything is installed, naming it and the allowed values."""
     if not isinstance(ddp, DistributedDataParallel):
-        raise TypeError(f"wrap needs a DistributedDataParallel model, got {type(ddp).__name__}")
+        raise not_ddp("wrap", ddp)
     for name, value, minimum in (("observe_steps", observe_steps, 3), ("trial_steps", trial_steps, 1),
                                  ("trial_rounds", trial_rounds, 2), ("top", top, 1), ("trials", trials, 1),
                                  ("watch_every", watch_every, 1)):
