@@ -145,17 +145,11 @@ def profile_sharded(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, 
     batches = list(batches)
     if not batches:
         raise ValueError("profiling the sharded model needs at least one batch")
-    found = sharded_groups(model)
-    pg = group if group is not None else dist.group.WORLD
-    captured: list[list[torch.Tensor]] = [[] for _ in found]
-    states = [module._get_fsdp_state()._fsdp_param_groups for _, module, _ in found]
-    saved = [[g._reduce_scatter_comm for g in groups] for groups in states]
+    capture = RowCapture(model)
     times = []
     with StateGuard(model, optimizer):
+        capture.start()
         try:
-            for groups, rows in zip(states, captured):
-                for g in groups:
-                    g._reduce_scatter_comm = _Recorder(g._reduce_scatter_comm, rows)
             for i in range(steps + 1):
                 t0 = time.perf_counter()
                 model.zero_grad(set_to_none=True)
@@ -165,17 +159,46 @@ def profile_sharded(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, 
                 if i:  # the first step allocates and warms up
                     times.append(time.perf_counter() - t0)
         finally:
-            for groups, comms in zip(states, saved):
-                for g, comm in zip(groups, comms):
-                    g._reduce_scatter_comm = comm
-    step_s = slowest([statistics.median(times)], group)[0]
-    profiles = []
-    for (name, module, params), rows, comms in zip(found, captured, saved):
-        rows = rows[-steps:]  # the warm-up step's rows are not a training step of the loop
-        seconds, error = _measure_group(rows, comms[0], labels, repeats, pg, name or "(root)", group_layout(module, name))
-        profiles.append(ShardedGroupProfile(name or "(root)", list(params), group_numel(module), seconds, error))
-    device = str(captured[0][0].device)
-    return ShardedProfile(world_size(group), step_s, profiles, labels, device=device, steps=steps)
+            capture.stop()
+    return capture.profile(labels, statistics.median(times), steps, repeats, group)
+
+
+class RowCapture:
+    """Captures the rows FSDP hands each group's reduce-scatter during training steps (:meth:`start`
+    to :meth:`stop`; training runs exactly as without it), then profiles every config on them."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.found = sharded_groups(model)
+        self.rows: list[list[torch.Tensor]] = [[] for _ in self.found]
+        self._states = [module._get_fsdp_state()._fsdp_param_groups for _, module, _ in self.found]
+        self._saved: list[list[Any]] = []
+
+    def start(self) -> None:
+        self._saved = [[g._reduce_scatter_comm for g in groups] for groups in self._states]
+        for groups, rows in zip(self._states, self.rows):
+            for g in groups:
+                g._reduce_scatter_comm = _Recorder(g._reduce_scatter_comm, rows)
+
+    def stop(self) -> None:
+        for groups, comms in zip(self._states, self._saved):
+            for g, comm in zip(groups, comms):
+                g._reduce_scatter_comm = comm
+
+    def profile(self, labels: Sequence[str], step_s: float, steps: int, repeats: int, group=None) -> ShardedProfile:
+        """Each config's reduce-scatter on the last ``steps`` captured steps' rows (``step_s``: this
+        rank's median step under FSDP's own path); every rank calls it."""
+        pg = group if group is not None else dist.group.WORLD
+        if any(not rows for rows in self.rows):
+            empty = [name or "(root)" for (name, _, _), rows in zip(self.found, self.rows) if not rows]
+            raise ValueError(f"group(s) {empty} reduced no gradients in the captured steps: do their parameters "
+                             "take part in the loss?")
+        profiles = []
+        for (name, module, params), rows, comms in zip(self.found, self.rows, self._saved):
+            seconds, error = _measure_group(rows[-steps:], comms[0], labels, repeats, pg, name or "(root)",
+                                            group_layout(module, name))
+            profiles.append(ShardedGroupProfile(name or "(root)", list(params), group_numel(module), seconds, error))
+        return ShardedProfile(world_size(group), slowest([step_s], group)[0], profiles, list(labels),
+                              device=str(self.rows[0][0].device), steps=steps)
 
 
 def _measure_group(rows: list[torch.Tensor], native, labels: Sequence[str], repeats: int, pg, name: str,

@@ -53,6 +53,7 @@ from advisor.tuning.live import LossFn, measure_sharded_plans
 from advisor.tuning.results import PlanEvidence, plan_evidence
 from advisor.tuning.steps import (
     DEFAULT_TRIAL_SHARE,
+    Arm,
     check_trial_budget,
     decide_time_to_accuracy,
     settled,
@@ -231,33 +232,18 @@ def autotune_sharded(
     t_trialled = time.perf_counter()
 
     # 3. search, and the arms to measure: both fp32 paths, the 16-bit cast, the best plans
-    found = search_sharded(problem, top)
-    arms: dict[str, tuple[str, Plan, str, float]] = {
-        NATIVE: (FP32, Plan.uniform("none", warmup_steps=0), "fp32 (FSDP's own reduce-scatter)",
-                 float(problem.predict(problem.uniform("none"))[0])),
-        EXACT: (FP32, Plan.uniform("none", warmup_steps=0, metadata={EXACT_FP32: "all-to-all"}),
-                "fp32 (exact all-to-all reduce-scatter)", float("nan")),
-    }
-    if sixteen is not None:
-        arms[sixteen] = (SIXTEEN_BIT, Plan.uniform(sixteen, warmup_steps=0), f"{sixteen} everywhere",
-                         float(problem.predict(problem.uniform(sixteen))[0]))
-    baseline_choices = {problem.uniform(c).tobytes() for c in ("none", sixteen) if c is not None}
-    for choices in found:
-        if choices.tobytes() in baseline_choices:
-            continue
-        description = problem.describe(choices)
-        arms[description] = (CANDIDATE, problem.plan(choices, warmup_steps=0), description,
-                             float(problem.predict(choices)[0]))
+    arms = sharded_arms(problem, search_sharded(problem, top), sixteen)
 
     # 4. measure live, interleaved, on the model itself
     t_measuring = time.perf_counter()
     say(f"measuring {len(arms)} plans live, {rounds} interleaved rounds (up to {max_rounds} while unresolved)")
 
     def measurements(rounds_s: Mapping[str, list[float]]) -> list[LiveMeasurement]:
-        return [LiveMeasurement(label, arms[label][0], list(r), None if math.isnan(arms[label][3]) else arms[label][3],
-                                arms[label][2]) for label, r in rounds_s.items() if r]
+        return [LiveMeasurement(label, arms[label].kind, list(r),
+                                None if math.isnan(arms[label].predicted_s) else arms[label].predicted_s,
+                                arms[label].description) for label, r in rounds_s.items() if r]
 
-    rounds_s = measure_sharded_plans(model, loss_fn, timing, optimizer, {k: v[1] for k, v in arms.items()},
+    rounds_s = measure_sharded_plans(model, loss_fn, timing, optimizer, {k: a.plan for k, a in arms.items()},
                                      rounds=rounds, steps=steps, max_rounds=max_rounds,
                                      settled=lambda r: settled(measurements(r)), group=group, progress=say)
     measured = measurements(rounds_s)
@@ -266,8 +252,8 @@ def autotune_sharded(
     # 5. decide
     if trial is not None:
         def judge(decision):
-            kind, plan, description, _ = arms[decision.chosen]
-            return _verdict(trial, verdicts, problem, decision.chosen, plan, kind, description)
+            arm = arms[decision.chosen]
+            return _verdict(trial, verdicts, problem, decision.chosen, arm.plan, arm.kind, arm.description)
     elif accuracy_trial:
         judge = unprovable("no optimizer was given, so no accuracy trial could run; pass the training optimizer")
     else:
@@ -275,15 +261,9 @@ def autotune_sharded(
     decision, checked, _ = decide_time_to_accuracy(measured, judge, group=group)
     t_decided = time.perf_counter()
 
-    # 6. install; the exact all-to-all only where it was shown faster than FSDP's own: a tie keeps FSDP's path
-    if decision.chosen == EXACT:
-        by_label = {m.label: m for m in measured}
-        exact_gain = step_speedup(by_label[NATIVE], by_label[EXACT])
-        if not exact_gain.lower() > 1:
-            decision.reason += (f"; FSDP's own fp32 reduce-scatter stays: the exact all-to-all was not shown faster "
-                                f"than it ({exact_gain.describe()} per step, 95% bounds)")
-            decision.chosen = NATIVE
-    kind, plan, description, _ = arms[decision.chosen]
+    # 6. install
+    keep_fsdp_unless_exact_is_faster(decision, measured)
+    plan, description = arms[decision.chosen].plan, arms[decision.chosen].description
     plan = Plan.from_dict({**plan.to_dict(), "metadata": {**plan.metadata, "advisor": "autotune_sharded",
                                                           **({"accuracy": checked} if checked else {})}})
     # plan none without the exact all-to-all installs nothing: FSDP's own path runs
@@ -293,12 +273,47 @@ def autotune_sharded(
         recommendation=decision.chosen, description=description, compress=decision.compress, reason=reason,
         plan=plan.to_dict(), profile=profile, measured=measured,
         evidence=plan_evidence(measured, decision, verdicts),
-        predicted_s={label: v[3] for label, v in arms.items() if not math.isnan(v[3])},
+        predicted_s={label: a.predicted_s for label, a in arms.items() if not math.isnan(a.predicted_s)},
         budget=problem.budget, budget_reason=budget_reason,
         accuracy=trial.report() if trial is not None else None,
         memory=_memory(model, installed),
         seconds={"profile": t_profiled - t_start, "accuracy": (t_trialled - t_profiled) + (t_decided - t_measured),
                  "measure": t_measured - t_measuring, "total": time.perf_counter() - t_start})
+
+
+def sharded_arms(problem: ShardedProblem, found: Sequence[np.ndarray], sixteen: str | None) -> dict[str, Arm]:
+    """The plans to measure live, by label: FSDP's own fp32 reduce-scatter, the exact fp32 all-to-all
+    (gloo's own moves about twice the bytes: claims are against the better), the 16-bit cast, and
+    the searched plans that are none of those."""
+    none = problem.uniform("none")
+    arms = {NATIVE: Arm(NATIVE, FP32, Plan.uniform("none", warmup_steps=0), none, "fp32 (FSDP's own reduce-scatter)",
+                        float(problem.predict(none)[0])),
+            EXACT: Arm(EXACT, FP32, Plan.uniform("none", warmup_steps=0, metadata={EXACT_FP32: "all-to-all"}), none,
+                       "fp32 (exact all-to-all reduce-scatter)", float("nan"))}
+    if sixteen is not None:
+        cast = problem.uniform(sixteen)
+        arms[sixteen] = Arm(sixteen, SIXTEEN_BIT, Plan.uniform(sixteen, warmup_steps=0), cast, f"{sixteen} everywhere",
+                            float(problem.predict(cast)[0]))
+    baselines = {problem.uniform(c).tobytes() for c in ("none", sixteen) if c is not None}
+    for choices in found:
+        if choices.tobytes() not in baselines:
+            description = problem.describe(choices)
+            arms[description] = Arm(description, CANDIDATE, problem.plan(choices, warmup_steps=0), choices,
+                                    description, float(problem.predict(choices)[0]))
+    return arms
+
+
+def keep_fsdp_unless_exact_is_faster(decision, measured: Sequence[LiveMeasurement]) -> None:
+    """Where the decision is the exact all-to-all, keep FSDP's own path unless the exact one was shown
+    faster than it (95% bound): a tie keeps FSDP's code."""
+    if decision.chosen != EXACT:
+        return
+    by_label = {m.label: m for m in measured}
+    gain = step_speedup(by_label[NATIVE], by_label[EXACT])
+    if not gain.lower() > 1:
+        decision.reason += (f"; FSDP's own fp32 reduce-scatter stays: the exact all-to-all was not shown faster "
+                            f"than it ({gain.describe()} per step, 95% bounds)")
+        decision.chosen = NATIVE
 
 
 def _memory(model: torch.nn.Module, installed) -> dict[str, int]:
