@@ -36,6 +36,10 @@ def __getattr__(name: str):
         from advisor.tuning import sharded
 
         return getattr(sharded, name)
+    if name == "wrap_sharded":
+        from advisor.tuning.online.sharded import wrap_sharded
+
+        return wrap_sharded
     raise AttributeError(f"module 'advisor' has no attribute {name!r}")
 
 
@@ -43,6 +47,7 @@ __all__ = [
     "ddp_for",
     "install_sharded",
     "autotune_sharded",
+    "wrap_sharded",
     "ShardedAutotuneResult",
     "AutotuneResult",
     "CompressionHook",

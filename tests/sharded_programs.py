@@ -273,3 +273,33 @@ def ddp_tuners_on_a_sharded_model(rank: int, world_size: int):
         except TypeError as exc:
             said.append(str(exc))
     return said
+
+
+def wrap_sharded_loop(rank: int, world_size: int, steps: int, kwargs: dict, gated: bool):
+    """The user's loop over the wide blocks under wrap_sharded; what it did, on this rank."""
+    import advisor
+
+    model = _wide_sharded()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batches = _teacher_batches(rank, 64)
+    gate = {"loss_fn": _cross_entropy, "batches": batches[32:], "build": _wide_sharded} if gated else {}
+    try:
+        tuner = advisor.wrap_sharded(model, opt, **gate, **kwargs)
+    except (ValueError, TypeError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    for i in range(steps):
+        opt.zero_grad()
+        _cross_entropy(model, batches[i % 32]).backward()
+        opt.step()
+        if i % 10 == 0:
+            model.eval()
+            with torch.no_grad():
+                model(batches[0][0])  # evaluation passes are not steps
+            model.train()
+    comms = {name or "(root)": type(m._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm).__name__
+             for name, m, _ in __import__("advisor.runtime.sharded", fromlist=["x"]).sharded_groups(model)}
+    tuner.close()
+    return {"error": None, "phase": tuner.phase, "steps": tuner.step, "plan": tuner.plan.to_dict(),
+            "events": [(e.step, e.what, e.detail) for e in tuner.events], "comms": comms,
+            "measured": [m.label for m in tuner.measured], "accuracy": tuner.accuracy is not None,
+            "full": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}}

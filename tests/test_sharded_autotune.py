@@ -91,3 +91,37 @@ def test_the_ddp_tuners_refuse_a_sharded_model_naming_autotune_sharded():
         assert len(said) == 2
         for message in said:
             assert "it is sharded with fully_shard (FSDP2): tune it with advisor.autotune_sharded" in message, message
+
+
+QUICK_RACE = {"observe_steps": 3, "trial_steps": 2, "trial_rounds": 2, "max_trial_rounds": 3, "repeats": 1,
+              "candidates": ["none", "bf16", "intquant(bits=8)", "powersgd(rank=4)"]}
+
+
+def test_wrap_sharded_races_the_baselines_in_the_users_loop_and_every_rank_keeps_the_same_plan():
+    out = launch_local(sp.wrap_sharded_loop, 2, (40, QUICK_RACE, False), timeout=300)
+    a, b = out
+    assert a["error"] is None, a["error"]
+    assert a["phase"] == "decided" and a["events"] == b["events"] and a["plan"] == b["plan"]
+    assert a["steps"] == 40  # evaluation passes were not counted
+    whats = [w for _, w, _ in a["events"]]
+    assert whats[0] == "profiled" and "decided" in whats
+    # no loss_fn, batches and build: no accuracy evidence, so only the baselines raced
+    assert set(a["measured"]) <= {"fp32", "fp32, exact all-to-all", "bf16"} and "fp32" in a["measured"]
+    assert "unproven" in whats
+    assert not any(c.startswith(("IntReduceScatter", "PowerSGD")) for c in a["comms"].values())
+    for n, value in a["full"].items():
+        torch.testing.assert_close(value, b["full"][n], rtol=0, atol=0)
+
+
+def test_wrap_sharded_with_the_gate_races_compressed_plans_and_needs_all_of_its_arguments():
+    out = launch_local(sp.wrap_sharded_loop, 2, (60, {**QUICK_RACE, "trial_s": 5.0}, True), timeout=300)
+    a, b = out
+    assert a["error"] is None, a["error"]
+    assert a["phase"] == "decided" and a["plan"] == b["plan"] and a["events"] == b["events"]
+    assert any(label not in ("fp32", "fp32, exact all-to-all", "bf16") for label in a["measured"])
+    decided = next(d for _, w, d in a["events"] if w == "decided")
+    plan = Plan.from_dict(a["plan"])
+    if any(c.name in ("intquant", "powersgd") for c in plan.configs()):
+        assert a["accuracy"] and "accuracy:" in decided  # a compressed plan only with the trial's proof
+    bad = launch_local(sp.wrap_sharded_loop, 2, (1, {"loss_fn": sp._cross_entropy}, False), timeout=120)
+    assert all("needs loss_fn, batches and build together" in r["error"] for r in bad)

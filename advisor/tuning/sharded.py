@@ -219,7 +219,7 @@ def autotune_sharded(
 
     # 2. the accuracy trial, and the budget it earns
     problem = ShardedProblem(profile, labels)
-    sixteen = _sixteen_bit(problem, optimizer)
+    sixteen = sixteen_bit_of(problem, optimizer)
     trial, verdicts = None, {}
     if gated:
         trial = AccuracyTrial(model, loss_fn, stream, optimizer, evaluate=evaluate, held_out=held_out, metric=metric,
@@ -253,7 +253,7 @@ def autotune_sharded(
     if trial is not None:
         def judge(decision):
             arm = arms[decision.chosen]
-            return _verdict(trial, verdicts, problem, decision.chosen, arm.plan, arm.kind, arm.description)
+            return verdict_of(trial, verdicts, problem, decision.chosen, arm.plan, arm.kind, arm.description)
     elif accuracy_trial:
         judge = unprovable("no optimizer was given, so no accuracy trial could run; pass the training optimizer")
     else:
@@ -324,7 +324,7 @@ def _memory(model: torch.nn.Module, installed) -> dict[str, int]:
     return {"sharded_parameter_bytes": int(local), "residual_bytes": int(residual)}
 
 
-def _sixteen_bit(problem: ShardedProblem, optimizer) -> str | None:
+def sixteen_bit_of(problem: ShardedProblem, optimizer) -> str | None:
     """The 16-bit cast to measure: the one predicted faster, the optimizer's preference on a tie (2%)."""
     casts = [c for c in ("fp16", "bf16") if c in problem.configs]
     if not casts:
@@ -333,7 +333,7 @@ def _sixteen_bit(problem: ShardedProblem, optimizer) -> str | None:
     return min(casts, key=lambda c: float(problem.predict(problem.uniform(c))[0]) * (1 + 0.02 * (c != preferred)))
 
 
-def _verdict(trial: AccuracyTrial, verdicts: dict, problem: ShardedProblem, label: str, plan: Plan, kind: str,
+def verdict_of(trial: AccuracyTrial, verdicts: dict, problem: ShardedProblem, label: str, plan: Plan, kind: str,
              description: str):
     """The trial's verdict on ``plan`` (remembered by label; the fp32 arms need none)."""
     if label not in verdicts:
@@ -367,7 +367,7 @@ def _earn_budget(problem: ShardedProblem, trial: AccuracyTrial | None, verdicts:
     earned, proven = floor, None
     for config in lossy:
         label = f"{config} everywhere"
-        arm = _verdict(trial, verdicts, problem, label, Plan.uniform(config, warmup_steps=0), CANDIDATE, label)
+        arm = verdict_of(trial, verdicts, problem, label, Plan.uniform(config, warmup_steps=0), CANDIDATE, label)
         if not arm.accepted:
             break
         earned, proven = float(problem.fidelity_error(problem.uniform(config))[0]), config

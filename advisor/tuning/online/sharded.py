@@ -1,0 +1,230 @@
+"""Tune a sharded (FSDP2) model online, inside the user's unchanged training loop.
+
+::
+
+    tuner = advisor.wrap_sharded(model, optimizer)          # before the first step
+    for batch in loader:                                     # the loop, unchanged
+        optimizer.zero_grad(); loss_fn(model, batch).backward(); optimizer.step()
+
+Driven from the model's forward calls, which every rank makes at the same step:
+
+1. **observe** (``observe_steps`` after one warm-up step): FSDP's own reduce-scatters, their
+   rows captured (:class:`profilers.sharded.RowCapture`) and the steps timed;
+2. **profile and search** (at the start of the next step, every rank): each config's
+   reduce-scatter timed and judged on the captured rows, rank 0's profile is everyone's, the
+   search (:func:`policies.sharded.search_sharded`);
+3. **race**: FSDP's own fp32 reduce-scatter, the exact all-to-all, the 16-bit cast and the best
+   plans take turns on the loop's steps in interleaved rounds (the DDP tuner's
+   :class:`~advisor.tuning.online.trial.Race`, each plan switched in by
+   :class:`advisor.runtime.sharded.ShardedSwitch`), paired and stopped once decided;
+4. **decide** (:func:`advisor.tuning.steps.decide_time_to_accuracy`) and keep the plan.
+
+Without ``loss_fn``, ``batches`` and ``build`` there is no accuracy evidence: only the baselines
+race (the compressed plans are left out, and an event says so).  With them, the plan that wins
+on speed must pass the paired accuracy trial on shadows from ``build()``
+(:func:`advisor.tuning.sharded.sharded_shadows`), as in :func:`advisor.autotune_sharded`.
+Unlike :func:`advisor.wrap`, nothing watches the plan afterwards yet (no fidelity monitor, no
+re-trials).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from advisor.core.documents import check_int
+from advisor.runtime import Plan
+from advisor.runtime.sharded import SHARDED_CONFIGS, ShardedSwitch
+from advisor.tuning.accuracy import AccuracyTrial, check_evaluate
+from advisor.tuning.online.trial import Race
+from advisor.tuning.online.tuner import TunerEvent
+from advisor.tuning.sharded import (
+    NATIVE,
+    keep_fsdp_unless_exact_is_faster,
+    sharded_arms,
+    sharded_shadows,
+    sixteen_bit_of,
+    verdict_of,
+)
+from advisor.tuning.steps import (
+    DEFAULT_TRIAL_SHARE,
+    check_trial_budget,
+    decide_time_to_accuracy,
+    trial_budget,
+    unprovable,
+)
+from policies import accuracy_gate as gate
+from policies.do_no_harm import CANDIDATE
+from policies.sharded import ShardedProblem, search_sharded
+from profilers.sharded import RowCapture, ShardedProfile, check_sharded_configs
+
+OBSERVE, RACE, DECIDED = "observe", "race", "decided"
+
+
+class _SwitchAsHook:
+    """The race sets each arm's plan on a hook; on a sharded model the switch is that hook."""
+
+    def __init__(self, switch: ShardedSwitch) -> None:
+        self.switch, self.plan = switch, None
+
+    def set_plan(self, plan: Plan, reason: str = "", verify: bool = True) -> None:
+        self.switch.set(plan)
+        self.plan = plan
+
+
+class ShardedOnlineTuner:
+    """The online tuner of a sharded model on one rank; construct it through :func:`wrap_sharded`."""
+
+    def __init__(self, model: torch.nn.Module, optimizer=None, *, candidates: Sequence[str] = SHARDED_CONFIGS,
+                 observe_steps: int = 4, trial_steps: int = 3, trial_rounds: int = 3, max_trial_rounds: int = 8,
+                 top: int = 2, repeats: int = 2, loss_fn=None, batches: Iterable[Any] | None = None,
+                 build: Callable[[], torch.nn.Module] | None = None, evaluate=None, held_out=None,
+                 metric: str = "loss", expected_steps: int | None = None, trial_share: float = DEFAULT_TRIAL_SHARE,
+                 trial_s: float | None = None, tolerance: float = gate.DEFAULT_TOLERANCE, group=None) -> None:
+        self.labels = check_sharded_configs(candidates)
+        for name, value, minimum in (("observe_steps", observe_steps, 2), ("trial_steps", trial_steps, 1),
+                                     ("trial_rounds", trial_rounds, 2), ("top", top, 1), ("repeats", repeats, 1)):
+            check_int(name, value, minimum)
+        check_int("max_trial_rounds", max_trial_rounds, trial_rounds)
+        check_trial_budget(expected_steps, trial_share, tolerance)
+        check_evaluate(evaluate)
+        gate_given = [x is not None for x in (loss_fn, batches, build)]
+        if any(gate_given) and not all(gate_given):
+            raise ValueError("the accuracy gate needs loss_fn, batches and build together (build: a fresh sharded "
+                             "model of the same architecture, for the trial's shadows); pass all three, or none to "
+                             "race the baselines only")
+        if all(gate_given) and optimizer is None:
+            raise ValueError("the accuracy gate trains shadows with a clone of the training optimizer; pass it")
+        self.model, self.optimizer, self.group = model, optimizer, group
+        self.switch = ShardedSwitch(model, group)  # refuses FSDP1 and unsharded models
+        self.observe_steps, self.top, self.repeats = observe_steps, top, repeats
+        self._race_settings = dict(steps=trial_steps, min_rounds=trial_rounds, max_rounds=max_trial_rounds)
+        self._gate = None if loss_fn is None else dict(
+            loss_fn=loss_fn, batches=batches, build=build, evaluate=evaluate, held_out=held_out, metric=metric,
+            tolerance=tolerance, **trial_budget(expected_steps, trial_share, trial_s))
+        self.phase = OBSERVE
+        self.step = 0
+        self.events: list[TunerEvent] = []
+        #: the profile made from the observed steps, the race's measurements, its decision, the trial's report
+        self.profile: ShardedProfile | None = None
+        self.measured: list = []
+        self.decision = None
+        self.accuracy = None
+        self.plan = Plan.uniform("none", warmup_steps=0)
+        self._capture = RowCapture(model)
+        self._starts: list[float] = []
+        self._race: Race | None = None
+        self._problem: ShardedProblem | None = None
+        self._handle = model.register_forward_pre_hook(self._on_forward)
+
+    def close(self) -> None:
+        """Stop tuning (the plan in use stays installed)."""
+        self._handle.remove()
+        if self.phase == OBSERVE:
+            self._capture.stop()
+
+    @torch.compiler.disable
+    def _on_forward(self, module, args) -> None:
+        if not (torch.is_grad_enabled() and module.training):
+            return  # evaluation passes are not training steps
+        now = time.perf_counter()
+        if self.phase == OBSERVE:
+            self._observe(now)
+        elif self.phase == RACE and self._race.step_starts(now):
+            self._decide()
+        self.step += 1
+
+    def _note(self, what: str, detail: str) -> None:
+        self.events.append(TunerEvent(self.step, what, detail))
+
+    def _observe(self, now: float) -> None:
+        if self.step == 0:
+            self._capture.start()
+        self._starts.append(now)
+        if len(self._starts) < self.observe_steps + 2:  # one warm-up step, then the observed ones
+            return
+        self._capture.stop()
+        t0 = time.perf_counter()
+        times = [b - a for a, b in zip(self._starts[1:], self._starts[2:])]
+        # every number in it is agreed across ranks (slowest times, summed errors): every rank holds the same
+        self.profile = self._capture.profile(self.labels, statistics.median(times), self.observe_steps, self.repeats,
+                                             self.group)
+        self._problem = ShardedProblem(self.profile, self.labels)
+        sixteen = sixteen_bit_of(self._problem, self.optimizer)
+        arms = sharded_arms(self._problem, search_sharded(self._problem, self.top), sixteen)
+        left_out = [a for a in arms.values() if a.kind == CANDIDATE] if self._gate is None else []
+        for arm in left_out:
+            del arms[arm.label]
+        self._arms = arms
+        self._race = Race(list(arms.values()), _SwitchAsHook(self.switch), group=self.group, **self._race_settings)
+        self._note("profiled", f"profile and search took {time.perf_counter() - t0:.1f} s; racing {len(arms)} plans "
+                               f"in rounds of {self._race.steps_per_round} steps")
+        if left_out:
+            self._note("unproven", f"{len(left_out)} compressed plan(s) left out of the race (the best predicted "
+                                   f"{left_out[0].description}): without loss_fn, batches and build their accuracy "
+                                   "cannot be proven; pass them to trial them")
+        self.phase = RACE
+        self._race.start(time.perf_counter())
+
+    def _decide(self) -> None:
+        self.measured = self._race.measurements()
+        judge = self._judge() if self._gate is not None else unprovable(
+            "wrap_sharded was given no loss_fn, batches and build")
+        decision, checked, _ = decide_time_to_accuracy(self.measured, judge, group=self.group)
+        keep_fsdp_unless_exact_is_faster(decision, self.measured)
+        self.decision = decision
+        self.plan = self._arms[decision.chosen].plan
+        if decision.chosen == NATIVE:
+            self.switch.restore()  # FSDP's own path
+        else:
+            self.switch.set(self.plan)
+        self.phase = DECIDED
+        self._note("decided", f"{decision.reason} (race {self._race.ended})")
+
+    def _judge(self):
+        """The paired trial from the current weights on shadows, started when a plan other than fp32 wins."""
+        args = dict(self._gate)
+        loss_fn, batches, build = args.pop("loss_fn"), args.pop("batches"), args.pop("build")
+        verdicts: dict = {}
+        trial = None
+
+        def judge(decision):
+            nonlocal trial
+            if trial is None:
+                trial = AccuracyTrial(self.model, loss_fn, batches, self.optimizer, group=self.group,
+                                      arms_expected=2 + len(self._arms), shadows=sharded_shadows(
+                                          self.model, self.optimizer, build, self.group), **args)
+                trial.start()
+            arm = self._arms[decision.chosen]
+            verdict = verdict_of(trial, verdicts, self._problem, decision.chosen, arm.plan, arm.kind, arm.description)
+            self.accuracy = trial.report()
+            return verdict
+
+        return judge
+
+
+def wrap_sharded(model: torch.nn.Module, optimizer=None, **kwargs) -> ShardedOnlineTuner:
+    """Tune ``model`` (sharded with ``fully_shard``) online in the first steps of the user's own loop;
+    see the module doc.  Every rank calls it before the first step.
+
+    Args:
+        model: the sharded model.
+        optimizer: the training optimizer (cloned by the accuracy trial).
+        **kwargs: ``candidates``, ``observe_steps``, ``trial_steps``, ``trial_rounds``,
+            ``max_trial_rounds``, ``top``, and for the accuracy gate ``loss_fn``, ``batches``,
+            ``build``, ``evaluate``, ``held_out``, ``metric``, ``expected_steps``,
+            ``trial_share``, ``trial_s``, ``tolerance``.
+
+    Returns:
+        The :class:`ShardedOnlineTuner`: ``tuner.events``, ``tuner.plan`` (in use once
+        ``tuner.phase == "decided"``), ``tuner.measured``, ``tuner.decision``.
+
+    Raises:
+        TypeError: FSDP1, or a model without ``fully_shard``.
+        ValueError: a bad argument, before any step.
+    """
+    return ShardedOnlineTuner(model, optimizer, **kwargs)
