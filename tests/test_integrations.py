@@ -247,7 +247,9 @@ def test_lightning_fsdp2_autotune_tunes_the_sharded_model_on_every_rank(lightnin
 
 @needs_lightning
 @pytest.mark.slow
-def test_lightning_fsdp2_refuses_online_tuning_on_every_rank_naming_what_works(lightning_fsdp_fits):
-    for r in lightning_fsdp_fits:
-        assert "tune='wrap' cannot tune a sharded (fully_shard) model" in r["wrap"]["error"]
-        assert "tune='autotune', or plan=..." in r["wrap"]["error"]
+def test_lightning_fsdp2_wrap_tunes_online_and_decides_on_every_rank(lightning_fsdp_fits):
+    runs = _ok(lightning_fsdp_fits, "wrap")
+    _ranks_agree(runs)
+    assert all(r["phase"] == "decided" and r["tuned"] for r in runs)
+    assert runs[0]["events"] == runs[1]["events"] and runs[0]["plan"] == runs[1]["plan"]
+    assert [e.split(":")[0] for e in runs[0]["events"]][0] == "profiled"

@@ -24,7 +24,8 @@ installs the saved plan and state instead of tuning again.
 **Sharded training** (``ModelParallelStrategy``, the module's ``configure_model`` calling
 ``fully_shard``): the same callback sets each ``fully_shard`` group's reduce-scatter
 (:func:`advisor.install_sharded`), or tunes one with :func:`advisor.autotune_sharded`
-(``tune="autotune"``; ``wrap`` is DDP's only).  The accuracy trial's shadows are fresh modules:
+(``tune="autotune"``) or :func:`advisor.wrap_sharded` (``tune="wrap"``: it races plans in the
+first steps; no watch follows yet).  The accuracy trial's shadows are fresh modules:
 ``build=`` makes one, by default ``type(module)(**module.hparams)`` given the device mesh and
 sharded by its own ``configure_model`` (so the module must ``save_hyperparameters()``).
 """
@@ -55,8 +56,8 @@ from advisor.runtime import Plan
 from advisor.runtime.plan import as_plan
 
 TUNE_MODES = (None, "autotune", "wrap")
-#: tuning modes a sharded (FSDP2) model can take
-SHARDED_TUNE_MODES = (None, "autotune")
+#: tuning modes a sharded (FSDP2) model can take (all of them: wrap through advisor.wrap_sharded)
+SHARDED_TUNE_MODES = (None, "autotune", "wrap")
 #: the wrap options that still apply when a resumed run only watches its checkpoint's plan
 WATCH_OPTIONS = ("watch_every", "backoff", "loss_z", "candidates", "group")
 
@@ -237,10 +238,11 @@ class CompressionCallback(Callback):
     # --- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The plan and every rank's hook state; Lightning calls it on every rank and saves rank 0's."""
-        if isinstance(self.hook, _ShardedInstalled):
+        if self._model is not None:  # sharded: the plan in use (the online tuner's, once it decided)
             from advisor.runtime.sharded import gathered_compression_state
 
-            return gathered_compression_state(self._model, self.hook.plan)
+            plan = self.tuner.plan if self.tuner is not None else self.hook.plan if self.hook is not None else None
+            return gathered_compression_state(self._model, plan) if plan is not None else {}
         return self.hook.gathered_state_dict() if self.hook is not None else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -283,13 +285,20 @@ class CompressionCallback(Callback):
                 warnings.warn(f"the checkpoint holds the compression state of {len(restored['ranks'])} ranks, not "
                               "of this run's; the saved plan is installed with fresh residuals", stacklevel=2)
             return
-        if self.hook is None and self.tune == "autotune":
+        if self.hook is not None or self.tune is None:
+            return
+        options = dict(self.options)
+        build = options.pop("build", None)
+        if self.tune == "autotune" or self.accuracy_gate:
             loss_fn, batches = self._tuning_data(trainer, pl_module)
-            options = dict(self.options)
-            build = options.pop("build", None) or _default_build(pl_module)
+            build = build or _default_build(pl_module)
+        if self.tune == "autotune":
             self.result = advisor.autotune_sharded(self._model, loss_fn, batches, _the_optimizer(trainer),
                                                    build=build, **options)
             self.hook = _ShardedInstalled(self.result.installed_plan())
+        else:
+            gate = {"loss_fn": loss_fn, "batches": batches, "build": build} if self.accuracy_gate else {}
+            self.tuner = advisor.wrap_sharded(self._model, _the_optimizer(trainer), **gate, **options)
 
     # --- the pieces ------------------------------------------------------------------------
     def _tuning_data(self, trainer, pl_module):

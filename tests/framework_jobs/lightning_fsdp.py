@@ -105,8 +105,12 @@ def fit(callback=None, ckpt_path=None, save_to=None, steps=STEPS) -> dict:
         trainer.save_checkpoint(save_to)
     out = {"digest": digest(module), "losses": losses.values, "rank": trainer.global_rank}
     if callback is not None:
-        out["plan"] = callback.hook.plan.digest() if callback.hook is not None else None
-        out["tuned"] = callback.result is not None
+        in_use = callback.tuner if callback.tuner is not None else callback.hook
+        out["plan"] = in_use.plan.digest() if in_use is not None else None
+        out["tuned"] = callback.result is not None or callback.tuner is not None
+        if callback.tuner is not None:
+            out["events"] = [f"{e.what}: {e.detail}" for e in callback.tuner.events]
+            out["phase"] = callback.tuner.phase
         if callback.result is not None:
             out["advice"] = callback.result.recommendation
             out["trial_arms"] = len(callback.result.accuracy.arms) if callback.result.accuracy else 0
@@ -126,7 +130,9 @@ def main(out_dir: str) -> None:
         "autotune": lambda: fit(CompressionCallback(
             tune="autotune", tune_batches=8, candidates=["none", "bf16", "powersgd(rank=2)"], trial_s=4.0, top=1,
             rounds=2, max_rounds=2, steps=2)),
-        "wrap": lambda: fit(CompressionCallback(tune="wrap")),
+        "wrap": lambda: fit(CompressionCallback(
+            tune="wrap", tune_batches=8, candidates=["none", "bf16", "powersgd(rank=2)"], observe_steps=3,
+            trial_steps=2, trial_rounds=2, max_trial_rounds=2, top=1, trial_s=3.0), steps=40),
     }
     results = {}
     for name, run in runs.items():

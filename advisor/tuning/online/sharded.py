@@ -121,6 +121,12 @@ class ShardedOnlineTuner:
         self._problem: ShardedProblem | None = None
         self._handle = model.register_forward_pre_hook(self._on_forward)
 
+    def record_loss(self, loss) -> None:
+        """Accepted for the loops that report losses to :func:`advisor.wrap`; no loss watch follows here yet."""
+
+    def update_starts(self) -> None:
+        """Accepted as :class:`advisor.tuning.online.OnlineTuner` accepts it; steps are timed whole here."""
+
     def close(self) -> None:
         """Stop tuning (the plan in use stays installed)."""
         self._handle.remove()
