@@ -120,3 +120,18 @@ def fidelity_against_trial(rank: int, world: int, spec: str, configs: list, opti
         arm = trial.trial(c, Plan.uniform(c, warmup_steps=0))
         gaps[c] = arm.gap if arm.gap is not None else math.inf
     return {"errors": errors, "gaps": gaps, "optimizer": fidelity.optimizer}
+
+
+def checkpoints_twice(rank: int, world: int, spec: str, evaluate: bool):
+    """The fp32 pair's checkpoints in two trials of the same data from the same weights: they must not
+    depend on the machine's timing (held-out loss counted; a user's evaluate timed once, rounded)."""
+    from advisor.testbed.workloads import shard
+
+    workload, ddp, opt = _with_history(spec)
+    out = []
+    for _ in range(2):
+        kwargs = {"evaluate": workload.evaluator()} if evaluate else {"held_out": workload.held_out}
+        trial = AccuracyTrial(ddp, workload.loss_fn, shard(workload.batches, rank, world), opt, max_steps=24,
+                              time_budget_s=None, **kwargs)
+        out.append(trial.start().checkpoints)
+    return out

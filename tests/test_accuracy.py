@@ -144,3 +144,12 @@ def test_the_default_fidelity_measure_ranks_plans_by_their_trial_gap_at_least_as
     assert _fidelity_measure(type("P", (), {"fidelity": None})(), None) == "gradient"
     assert gradient > 0.8 and update > 0.5, (gradient, update, out)
     assert gradient >= update - 0.06, (gradient, update, out)
+
+
+@pytest.mark.slow
+def test_the_same_trial_on_the_same_data_checkpoints_at_the_same_steps_whatever_the_timing():
+    from accuracy_programs import checkpoints_twice
+
+    # a held-out loss is counted in steps, not timed: the same checkpoints every time
+    first, second = launch_local(checkpoints_twice, 1, ("advisor.workloads:digits", False), timeout=300)[0]
+    assert first == second and len(first) > 5
