@@ -166,12 +166,7 @@ def measure_plans(
     if not batches:
         raise ValueError("measuring plans needs at least one batch")
     labels = (["fp32"] if native else []) + list(plans)
-    per_label = dict(steps) if isinstance(steps, Mapping) else {label: steps for label in labels}
-    for name, value in [("rounds", rounds)] + [(f"steps[{k}]", v) for k, v in per_label.items()]:
-        check_int(name, value)
-    missing = [label for label in labels if label not in per_label]
-    if missing:
-        raise ValueError(f"steps names no count for {missing}")
+    per_label = _steps_per_label(labels, steps, rounds)
     shadow, shadow_opt = shadow_of(ddp, optimizer)
     hook: CompressionHook | None = None
     result: dict[str, list[float]] = {label: [] for label in labels}
@@ -180,21 +175,13 @@ def measure_plans(
         if first is not None:
             hook = install(shadow, first, group=group)
         with StateGuard(ddp.module, optimizer):
-            used: set[str] = set()
-
             def run(label: str, settle: int, finite: list[bool]) -> float:
                 if label == "fp32":
                     return timed_steps(ddp, loss_fn, batches, optimizer, per_label[label], settle, finite=finite)
                 hook.set_plan(plans[label], reason=f"live measurement of {label}", verify=False)
                 return timed_steps(shadow, loss_fn, batches, shadow_opt, per_label[label], settle, finite=finite)
 
-            r = 0
-            while r < rounds or (settled is not None and r < (max_rounds or rounds) and not settled(result)):
-                announce = (lambda label, r=r: progress(f"round {r + 1}/{max(rounds, r + 1)}: {label}")) \
-                    if progress else None
-                for label, seconds in _round(labels, run, used, warmup, group, announce).items():
-                    result[label].append(seconds)
-                r += 1
+            _interleaved(labels, run, result, rounds, max_rounds, settled, warmup, group, progress)
     finally:
         if hook is not None:
             hook.close()
@@ -230,29 +217,43 @@ def measure_sharded_plans(
     if not batches:
         raise ValueError("measuring plans needs at least one batch")
     labels = list(plans)
-    per_label = dict(steps) if isinstance(steps, Mapping) else {label: steps for label in labels}
-    for name, value in [("rounds", rounds)] + [(f"steps[{k}]", v) for k, v in per_label.items()]:
-        check_int(name, value)
+    per_label = _steps_per_label(labels, steps, rounds)
     switch = ShardedSwitch(model, group)
     result: dict[str, list[float]] = {label: [] for label in labels}
     try:
         with StateGuard(model, optimizer):
-            used: set[str] = set()
-
             def run(label: str, settle: int, finite: list[bool]) -> float:
                 switch.set(plans[label])
                 return timed_steps(model, loss_fn, batches, optimizer, per_label[label], settle, finite=finite)
 
-            r = 0
-            while r < rounds or (settled is not None and r < (max_rounds or rounds) and not settled(result)):
-                announce = (lambda label, r=r: progress(f"round {r + 1}/{max(rounds, r + 1)}: {label}")) \
-                    if progress else None
-                for label, seconds in _round(labels, run, used, warmup, group, announce).items():
-                    result[label].append(seconds)
-                r += 1
+            _interleaved(labels, run, result, rounds, max_rounds, settled, warmup, group, progress)
     finally:
         switch.restore()
     return result
+
+
+def _steps_per_label(labels: Sequence[str], steps: int | Mapping[str, int], rounds: int) -> dict[str, int]:
+    """Each label's timed steps a round; a bad count, or a label without one, is refused."""
+    per_label = dict(steps) if isinstance(steps, Mapping) else {label: steps for label in labels}
+    for name, value in [("rounds", rounds)] + [(f"steps[{k}]", v) for k, v in per_label.items()]:
+        check_int(name, value)
+    missing = [label for label in labels if label not in per_label]
+    if missing:
+        raise ValueError(f"steps names no count for {missing}")
+    return per_label
+
+
+def _interleaved(labels: Sequence[str], run, result: dict[str, list[float]], rounds: int, max_rounds: int | None,
+                 settled, warmup: int, group, progress) -> None:
+    """``rounds`` interleaved rounds into ``result``, then more while ``settled(result)`` is False, up to
+    ``max_rounds`` (every rank holds the same result, so every rank stops at the same round)."""
+    used: set[str] = set()
+    r = 0
+    while r < rounds or (settled is not None and r < (max_rounds or rounds) and not settled(result)):
+        announce = (lambda label, r=r: progress(f"round {r + 1}/{max(rounds, r + 1)}: {label}")) if progress else None
+        for label, seconds in _round(labels, run, used, warmup, group, announce).items():
+            result[label].append(seconds)
+        r += 1
 
 
 def _round(labels: Sequence[str], run: Callable[[str, int, list[bool]], float], used: set[str], warmup: int,
