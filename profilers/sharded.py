@@ -44,7 +44,7 @@ from advisor.runtime.sharded import (
 )
 from profilers.training_state import StateGuard
 
-SHARDED_PROFILE_KIND = "sharded-profile"
+SHARDED_PROFILE_KIND = "compression-advisor/sharded-profile"
 
 
 @dataclass

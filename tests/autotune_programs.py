@@ -406,12 +406,12 @@ def proving_online_loop(rank: int, world_size: int, steps: int, kwargs: dict):
     and held-out batches of its own.
     """
     torch.manual_seed(0)
-    teacher, student = nn.Linear(1024, 256), nn.Linear(1024, 256)
+    teacher, student = nn.Linear(512, 256), nn.Linear(512, 256)
     ddp = DDP(student)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.02, momentum=0.9)
 
     def batch(g):
-        x = torch.randn(32, 1024, generator=g)
+        x = torch.randn(32, 512, generator=g)
         with torch.no_grad():
             return x, teacher(x) + 0.5 * torch.randn(32, 256, generator=g)
 

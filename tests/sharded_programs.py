@@ -79,6 +79,11 @@ def full_batch_reference(rank: int, world_size: int, ranks: int):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
+def install_expecting_errors(rank: int, world_size: int, cases: list[str]):
+    """What install_sharded says to each bad set-up, on this rank (one launch for them all)."""
+    return {case: install_expecting_error(rank, world_size, case) for case in cases}
+
+
 def install_expecting_error(rank: int, world_size: int, case: str):
     """What install_sharded says to a bad set-up, on this rank."""
     from torch.distributed.fsdp import fully_shard
@@ -283,6 +288,12 @@ def wrap_sharded_loop(rank: int, world_size: int, steps: int, kwargs: dict, gate
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     batches = _teacher_batches(rank, 64)
     gate = {"loss_fn": _cross_entropy, "batches": batches[32:], "build": _wide_sharded} if gated else {}
+    refused = None
+    if gated:  # half a gate is refused before anything is installed
+        try:
+            advisor.wrap_sharded(model, opt, loss_fn=_cross_entropy)
+        except ValueError as exc:
+            refused = str(exc)
     try:
         tuner = advisor.wrap_sharded(model, opt, **gate, **kwargs)
     except (ValueError, TypeError) as exc:
@@ -299,7 +310,14 @@ def wrap_sharded_loop(rank: int, world_size: int, steps: int, kwargs: dict, gate
     comms = {name or "(root)": type(m._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm).__name__
              for name, m, _ in __import__("advisor.runtime.sharded", fromlist=["x"]).sharded_groups(model)}
     tuner.close()
-    return {"error": None, "phase": tuner.phase, "steps": tuner.step, "plan": tuner.plan.to_dict(),
+    return {"error": None, "refused": refused, "phase": tuner.phase, "steps": tuner.step, "plan": tuner.plan.to_dict(),
             "events": [(e.step, e.what, e.detail) for e in tuner.events], "comms": comms,
             "measured": [m.label for m in tuner.measured], "accuracy": tuner.accuracy is not None,
             "full": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}}
+
+
+def powersgd_runs(rank: int, world_size: int, directory: str):
+    """Every PowerSGD program the tests read, in one launch."""
+    return {"one sample": powersgd_sharded(rank, world_size, 1, 6),
+            "full batches, no error feedback": powersgd_sharded(rank, world_size, 16, 8, False),
+            "resume": resume_powersgd(rank, world_size, directory)}

@@ -229,7 +229,9 @@ def test_wrap_goes_on_proving_online_a_plan_its_first_trial_was_too_short_for_an
               "retrial_share": 1.0, "fidelity_sample": 0}
     with EmulatedCluster(hosts=2, rate="100mbit") as cluster:
         out = cluster.run(proving_online_loop, (300, kwargs), timeout=600)
-    assert out[0]["events"] == out[1]["events"] and out[0]["digest"] == out[1]["digest"]
+    # the same events at the same steps on both ranks (their texts may differ in this rank's own timings)
+    assert [e[:2] for e in out[0]["events"]] == [e[:2] for e in out[1]["events"]]
+    assert out[0]["digest"] == out[1]["digest"]
     events = out[0]["events"]
     decided = next(d for _, w, d in events if w == "decided")
     assert "qsgd(bits=8) everywhere: not proven" in decided and "a compressed plan is proven only after 40 steps" in decided

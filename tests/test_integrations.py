@@ -251,5 +251,6 @@ def test_lightning_fsdp2_wrap_tunes_online_and_decides_on_every_rank(lightning_f
     runs = _ok(lightning_fsdp_fits, "wrap")
     _ranks_agree(runs)
     assert all(r["phase"] == "decided" and r["tuned"] for r in runs)
-    assert runs[0]["events"] == runs[1]["events"] and runs[0]["plan"] == runs[1]["plan"]
-    assert [e.split(":")[0] for e in runs[0]["events"]][0] == "profiled"
+    assert runs[0]["plan"] == runs[1]["plan"]
+    whats = [[e.split(":")[0] for e in r["events"]] for r in runs]  # texts hold each rank's own timings
+    assert whats[0] == whats[1] and whats[0][0] == "profiled"

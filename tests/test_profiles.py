@@ -83,13 +83,16 @@ def test_not_a_profile_and_not_json(tmp_path):
 
 def test_every_document_kind_is_registered_once_and_read_back_by_its_kind(tmp_path):
     import advisor.testbed.validate  # noqa: F401  (registers the validation report)
+    import advisor.tuning.sharded  # noqa: F401  (registers the sharded profile and result)
     from advisor.core.documents import DOCUMENT_KINDS, read_document
     from advisor.perfmodel import PerformanceModel
     from advisor.runtime import Plan
     from advisor.tuning.results import AutotuneResult, TunedResult
 
     assert {cls.__name__ for cls in DOCUMENT_KINDS.values()} == {
-        "Plan", "ClusterProfile", "Timeline", "AutotuneResult", "ValidationReport", "MeasurementSet"}
+        "Plan", "ClusterProfile", "Timeline", "AutotuneResult", "ValidationReport", "MeasurementSet",
+        "ShardedProfile", "ShardedAutotuneResult"}
+    assert all(kind.startswith("compression-advisor/") for kind in DOCUMENT_KINDS)
     assert TunedResult not in DOCUMENT_KINDS.values()  # it reads back as the plain document
     profile = sample_profile()
     plan = Plan.uniform("none", warmup_steps=0)

@@ -77,26 +77,35 @@ def test_after_a_mixed_plan_every_rank_ends_with_identical_parameters_near_fsdps
                 assert error > 0.01, (name, error)  # 4-bit codes do lose more than the casts
 
 
-@pytest.mark.parametrize("case, message", [
-    ("split group", "plan gives fully_shard group 'blocks.0' several configs \\(bf16, fp16\\)"),
-    ("unsupported", "'topk\\(ratio=0.01\\)' cannot run on a sharded \\(fully_shard\\) group yet; allowed there: "
-                    "none, fp16, bf16, intquant\\(bits=8\\), intquant\\(bits=4\\), powersgd\\(rank=r\\)"),
-    ("comm already set", "group 'blocks.1' already has a custom reduce-scatter \\(ExactReduceScatter\\)"),
-    ("different plans", "ranks hold different plans"),
-    ("not sharded", "no fully_shard module in the model"),
-    ("missing parameter", "plan names 1 parameter\\(s\\) missing from the model: 'blocks.9.weight'"),
-])
-def test_bad_set_ups_are_refused_on_every_rank_naming_the_fix(case, message):
+REFUSALS = {
+    "split group": "plan gives fully_shard group 'blocks.0' several configs \\(bf16, fp16\\)",
+    "unsupported": "'topk\\(ratio=0.01\\)' cannot run on a sharded \\(fully_shard\\) group yet; allowed there: "
+                    "none, fp16, bf16, intquant\\(bits=8\\), intquant\\(bits=4\\), powersgd\\(rank=r\\)",
+    "comm already set": "group 'blocks.1' already has a custom reduce-scatter \\(ExactReduceScatter\\)",
+    "different plans": "ranks hold different plans",
+    "not sharded": "no fully_shard module in the model",
+    "missing parameter": "plan names 1 parameter\\(s\\) missing from the model: 'blocks.9.weight'",
+}
+
+
+def test_bad_set_ups_are_refused_on_every_rank_naming_the_fix():
     import re
 
-    said = launch_local(sp.install_expecting_error, 2, (case,), timeout=120)
-    assert all(re.search(message, s) for s in said), said
+    said = launch_local(sp.install_expecting_errors, 2, (list(REFUSALS),), timeout=180)
+    for case, message in REFUSALS.items():
+        assert all(re.search(message, r[case]) for r in said), (case, [r[case] for r in said])
 
 
-def test_powersgd_reduces_gradients_of_rank_at_most_its_own_exactly_and_keeps_ranks_identical():
+@pytest.fixture(scope="module")
+def powersgd(tmp_path_factory):
+    """The PowerSGD programs, one launch for all of them."""
+    return launch_local(sp.powersgd_runs, 2, (str(tmp_path_factory.mktemp("ckpt") / "ckpt"),), timeout=300)
+
+
+def test_powersgd_reduces_gradients_of_rank_at_most_its_own_exactly_and_keeps_ranks_identical(powersgd):
     # one sample a rank: each rank's gradient of a weight matrix has rank 1, their sum rank 2, so
     # one power iteration at rank 2 spans it and each rank's shard of the sum comes out exact
-    out = launch_local(sp.powersgd_sharded, 2, (1, 6), timeout=180)
+    out = [r["one sample"] for r in powersgd]
     for r in out:
         for n, g in r["fsdp"]["grads"].items():
             torch.testing.assert_close(r["powersgd"]["grads"][n], g, rtol=1e-4, atol=1e-6)
@@ -108,8 +117,8 @@ def test_powersgd_reduces_gradients_of_rank_at_most_its_own_exactly_and_keeps_ra
     assert out[0]["powersgd"]["residual_bytes"] == out[1]["powersgd"]["residual_bytes"] == 4 * matrices
 
 
-def test_powersgd_on_full_batches_approximates_and_still_trains():
-    out = launch_local(sp.powersgd_sharded, 2, (16, 8, False), timeout=180)
+def test_powersgd_on_full_batches_approximates_and_still_trains(powersgd):
+    out = [r["full batches, no error feedback"] for r in powersgd]
     first = out[0]
     errors = [float((first["powersgd"]["grads"][n] - g).norm() / g.norm()) for n, g in first["fsdp"]["grads"].items()
               if g.dim() == 2 and g.norm() > 0]
@@ -120,8 +129,8 @@ def test_powersgd_on_full_batches_approximates_and_still_trains():
         torch.testing.assert_close(value, out[1]["powersgd"]["full"][n], rtol=0, atol=0)
 
 
-def test_powersgd_residuals_travel_in_a_distributed_checkpoint_and_resuming_continues_bitwise(tmp_path):
-    out = launch_local(sp.resume_powersgd, 2, (str(tmp_path / "ckpt"),), timeout=180)
+def test_powersgd_residuals_travel_in_a_distributed_checkpoint_and_resuming_continues_bitwise(powersgd):
+    out = [r["resume"] for r in powersgd]
     for r in out:
         for n, value in r["straight"].items():
             torch.testing.assert_close(r["resumed"][n], value, rtol=0, atol=0)

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def tuned():
-    return launch_local(sp.autotune_wide, 2, ({"trial_s": 20.0},), timeout=600)
+    return launch_local(sp.autotune_wide, 2, ({"trial_s": 8.0},), timeout=600)
 
 
 def test_every_rank_gets_the_same_advice_and_the_model_and_optimizer_end_as_they_began(tuned):
@@ -101,7 +101,8 @@ def test_wrap_sharded_races_the_baselines_in_the_users_loop_and_every_rank_keeps
     out = launch_local(sp.wrap_sharded_loop, 2, (40, QUICK_RACE, False), timeout=300)
     a, b = out
     assert a["error"] is None, a["error"]
-    assert a["phase"] == "decided" and a["events"] == b["events"] and a["plan"] == b["plan"]
+    assert a["phase"] == "decided" and a["plan"] == b["plan"]
+    assert [e[:2] for e in a["events"]] == [e[:2] for e in b["events"]]  # texts hold each rank's own timings
     assert a["steps"] == 40  # evaluation passes were not counted
     whats = [w for _, w, _ in a["events"]]
     assert whats[0] == "profiled" and "decided" in whats
@@ -117,11 +118,11 @@ def test_wrap_sharded_with_the_gate_races_compressed_plans_and_needs_all_of_its_
     out = launch_local(sp.wrap_sharded_loop, 2, (60, {**QUICK_RACE, "trial_s": 5.0}, True), timeout=300)
     a, b = out
     assert a["error"] is None, a["error"]
-    assert a["phase"] == "decided" and a["plan"] == b["plan"] and a["events"] == b["events"]
+    assert a["phase"] == "decided" and a["plan"] == b["plan"]
+    assert [e[:2] for e in a["events"]] == [e[:2] for e in b["events"]]
     assert any(label not in ("fp32", "fp32, exact all-to-all", "bf16") for label in a["measured"])
     decided = next(d for _, w, d in a["events"] if w == "decided")
     plan = Plan.from_dict(a["plan"])
     if any(c.name in ("intquant", "powersgd") for c in plan.configs()):
         assert a["accuracy"] and "accuracy:" in decided  # a compressed plan only with the trial's proof
-    bad = launch_local(sp.wrap_sharded_loop, 2, (1, {"loss_fn": sp._cross_entropy}, False), timeout=120)
-    assert all("needs loss_fn, batches and build together" in r["error"] for r in bad)
+    assert all("needs loss_fn, batches and build together" in r["refused"] for r in out)

@@ -73,7 +73,7 @@ def test_a_sharded_workload_is_autotuned_and_validated_with_its_fully_shard_grou
     report = validate_workload(DIGITS, None, steps=20, eval_every=10, sharded=True,
                                autotune_kwargs={"trial_s": 6.0, "top": 1, "rounds": 2, "max_rounds": 2,
                                                 "candidates": ["none", "bf16", "intquant(bits=8)"]})
-    assert report.autotune["kind"] == "sharded-autotune-result"
+    assert report.autotune["kind"] == "compression-advisor/sharded-autotune-result"
     # the root holds no parameters of its own here: two groups
     assert [g["name"] for g in report.autotune["profile"]["groups"]] == ["features", "classifier"]
     assert report.plan == report.autotune["plan"]
@@ -84,5 +84,6 @@ def test_a_sharded_workload_is_autotuned_and_validated_with_its_fully_shard_grou
 
 
 def test_a_workload_that_cannot_shard_is_refused_naming_the_fix():
-    with pytest.raises(Exception, match="says nothing of how to shard its model: give it shard="):
-        validate_workload("advisor.workloads:mlp", Plan.uniform("bf16"), steps=2, sharded=True, timeout=120)
+    # before any rank starts
+    with pytest.raises(ValueError, match="says nothing of how to shard its model: give it shard="):
+        validate_workload("advisor.workloads:mlp", None, steps=2, sharded=True, timeout=120)

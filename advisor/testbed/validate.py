@@ -208,9 +208,6 @@ def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, ste
                    sixteen: str | None, target: float | None, extra: float, autotune_kwargs: dict, where: str,
                    sharded: bool = False):
     workload = build_workload(spec)
-    if sharded and workload.shard is None:
-        raise ValueError(f"workload {spec!r} says nothing of how to shard its model: give it shard= (a function "
-                         "applying fully_shard to its blocks, then its root)")
     if sixteen is None:
         sixteen = preferred_sixteen_bit(workload.optimizer(copy.deepcopy(workload.model)))
     evaluate = workload.evaluator()
@@ -336,9 +333,13 @@ def validate_workload(spec: str, plan=None, *, nproc: int = 2, rate: str | None 
     if rate is not None:
         parse_rate(rate)
     plan_dict = None
+    if plan is not None or sharded:
+        workload = build_workload(spec)
+        if sharded and workload.shard is None:
+            raise ValueError(f"workload {spec!r} says nothing of how to shard its model: give it shard= (a function "
+                             "applying fully_shard to its blocks, then its root)")
     if plan is not None:
         plan = as_plan(plan)
-        workload = build_workload(spec)
         plan.check_against(n for n, p in workload.model.named_parameters() if p.requires_grad)
         plan_dict = plan.to_dict()
     kwargs = dict(autotune_kwargs or {})

@@ -66,7 +66,7 @@ from policies.sharded import ShardedProblem, search_sharded
 from profilers.sharded import ShardedProfile, check_sharded_configs, profile_sharded
 from profilers.training_state import clone_optimizer, preferred_sixteen_bit
 
-SHARDED_RESULT_KIND = "sharded-autotune-result"
+SHARDED_RESULT_KIND = "compression-advisor/sharded-autotune-result"
 #: batches the profile and the live measurement cycle through
 TIMING_BATCHES = 4
 #: the arm labels of the two fp32 baselines
