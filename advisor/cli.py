@@ -203,7 +203,7 @@ def whatif_cmd(profile_path, world_size, bandwidth, latency, speedup, budget, re
     for col, justify in columns:
         table.add_column(col, justify=justify)
     for r in found.rows:
-        layout = f" [{r.exchange_mb:g} MiB exchanges]" if r.exchange_mb is not None else ""
+        layout = f" [{r.layout.strip()}]" if r.layout else ""
         cells = [r.config + layout, f"{r.predicted_s * 1e3:.1f}", f"{base_s / r.predicted_s:.2f}x",
                  f"{r.fidelity_error:.3g}", "yes" if r.within_budget else "no"]
         if trialled:
@@ -214,8 +214,11 @@ def whatif_cmd(profile_path, world_size, bandwidth, latency, speedup, budget, re
     console.print(table)
     console.print(f"Budget {found.budget:.3g}: {found.budget_source}")
     if any(r.exchange_mb is not None for r in found.rows):
-        console.print("[n MiB exchanges]: DDP's buckets exchanged together up to n MiB (Plan.exchange_mb), "
+        console.print("[in n MiB exchanges]: DDP's buckets exchanged together up to n MiB (Plan.exchange_mb), "
                       "predicted faster than DDP's own buckets; build DDP with bucket_cap_mb=n to skip the join")
+    if any(r.bucket_cap_mb is not None for r in found.rows):
+        console.print("[with DDP's buckets at n MiB]: predicted faster with DDP built with bucket_cap_mb=n "
+                      "(Plan.bucket_cap_mb; advisor.ddp_for builds it)")
     console.print(found.verdict)
 
 

@@ -27,7 +27,7 @@ import json
 import statistics
 import sys
 
-from advisor.testbed.bench import MATCHED, MODELS, PYTORCH, render_row, run_benchmark
+from advisor.testbed.bench import MATCHED, MODELS, PYTORCH, layout_of, render_row, run_benchmark
 
 
 def main(argv=None) -> int:
@@ -60,9 +60,8 @@ def main(argv=None) -> int:
             best = min(within, key=lambda s: t[s])
             ratio = t[setting] / t[best]
             compared.append((r, budget, ratio, best, setting))
-            layout = result.get("exchange_mb")
-            print(f"| {r['ranks']} | {r['rate']} | {r['model']} | {budget} | {advice}"
-                  f"{f' ({layout:g} MiB exchanges)' if layout else ''} | {best}: {t[best] * 1e3:.0f} | "
+            print(f"| {r['ranks']} | {r['rate']} | {r['model']} | {budget} | {advice} ({layout_of(result)}) | "
+                  f"{best}: {t[best] * 1e3:.0f} | "
                   f"{t[setting] * 1e3:.0f} | {t['compute only'] * 1e3:.0f} | {ratio:.2f} | ±{r['noise']:.1%} |")
     slower = [(r, b) for r, b, x, _, _ in compared if x > 1 + r["noise"]]
     named = ", ".join(f"{r['model']} x{r['ranks']} @ {r['rate']} ({b})" for r, b in slower)

@@ -67,17 +67,20 @@ class TuningProblem:
         overlap: float = 1.0,
         fidelity_measure: str | None = None,
         exchange_mb: float | None = None,
+        bucket_cap_mb: float | None = None,
     ) -> TuningProblem:
         """Candidates default to the baselines plus every config the profile measured.
 
         Every candidate needs a kernel cost in the profile and, unless it is lossless
         (``none``), a fidelity entry for every bucket; the error names what is missing.
         ``fidelity_measure``: ``"gradient"`` (default) or ``"update"`` (where measured).
-        ``exchange_mb``: the bucket layout (:class:`advisor.runtime.Plan`); the problem's
-        buckets are then the groups of DDP buckets exchanged together.
+        ``exchange_mb``, ``bucket_cap_mb``: the bucket layout (:class:`advisor.runtime.Plan`);
+        the problem's buckets are then the groups of DDP buckets exchanged together, or the
+        buckets of DDP built with that cap.
         """
         measure = _fidelity_measure(profile, fidelity_measure)
-        model = PerformanceModel(profile, scenario, overlap=overlap, exchange_mb=exchange_mb)
+        model = PerformanceModel(profile, scenario, overlap=overlap, exchange_mb=exchange_mb,
+                                 bucket_cap_mb=bucket_cap_mb)
         problem = cls._of_model(model, _candidate_labels(profile, candidates), measure, budget=0.0,
                                 kernel_forms=dict(profile.kernels.forms) if profile.kernels is not None else {})
         costs = problem.costs
@@ -106,15 +109,19 @@ class TuningProblem:
         return cls(model, costs, _error_matrix(model.profile, model, costs.configs, measure), numel / numel.sum(),
                    parameter_names=[list(b.parameters) for b in model.buckets], fidelity_measure=measure, **fields)
 
-    def with_layout(self, exchange_mb: float | None) -> TuningProblem:
+    def with_layout(self, exchange_mb: float | None, bucket_cap_mb: float | None = None) -> TuningProblem:
         """The same problem (candidates, budget, correction) under another bucket layout."""
-        return self._of_model(self.model.with_layout(exchange_mb), self.configs, self.fidelity_measure,
+        return self._of_model(self.model.with_layout(exchange_mb, bucket_cap_mb), self.configs, self.fidelity_measure,
                               budget=self.budget, reference=self.reference, correction=self.correction,
                               kernel_forms=dict(self.kernel_forms))
 
     @property
     def exchange_mb(self) -> float | None:
         return self.model.exchange_mb
+
+    @property
+    def bucket_cap_mb(self) -> float | None:
+        return self.model.bucket_cap_mb
 
     # --- plans as index vectors -----------------------------------------------------
     @property
@@ -168,8 +175,8 @@ class TuningProblem:
             if label != "none":
                 for name in names:
                     assignments[name] = label
-        return Plan.from_assignments(assignments, **{"kernel_forms": self.kernel_forms,
-                                                     "exchange_mb": self.exchange_mb, **kwargs})
+        return Plan.from_assignments(assignments, **{"kernel_forms": self.kernel_forms, "exchange_mb": self.exchange_mb,
+                                                     "bucket_cap_mb": self.bucket_cap_mb, **kwargs})
 
     def choices_for(self, plan: Plan) -> np.ndarray:
         """The index vector of ``plan`` (each bucket takes its first parameter's config)."""
@@ -184,10 +191,19 @@ class TuningProblem:
         counts: dict[str, int] = {}
         for label in labels:
             counts[label] = counts.get(label, 0) + 1
-        layout = f", in {self.exchange_mb:g} MiB exchanges" if self.exchange_mb is not None else ""
+        layout = describe_layout(self.exchange_mb, self.bucket_cap_mb, ", ")
         if len(counts) == 1:
             return f"{labels[0]} everywhere{layout}"
         return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])) + layout
+
+
+def describe_layout(exchange_mb: float | None, bucket_cap_mb: float | None, lead: str = "") -> str:
+    """``in 16 MiB exchanges`` / ``with DDP's buckets at 1 MiB`` (after ``lead``), or "" for DDP's own buckets."""
+    if exchange_mb is not None:
+        return f"{lead}in {exchange_mb:g} MiB exchanges"
+    if bucket_cap_mb is not None:
+        return f"{lead}with DDP's buckets at {bucket_cap_mb:g} MiB"
+    return ""
 
 
 def _candidate_labels(profile, candidates: Sequence[str] | None) -> list[str]:
@@ -222,25 +238,32 @@ def _fidelity_measure(profile, requested: str | None) -> str:
 
 
 def _error_matrix(profile, model: PerformanceModel, labels: Sequence[str], measure: str = "gradient") -> np.ndarray:
+    """Each of ``model``'s units' error under each config: the size-weighted mean of its parameters' errors,
+    each parameter taking the error measured on the profiled DDP bucket it lies in.
+
+    Buckets exchanged together keep their own compression (per matrix, per block), and a bucket
+    DDP would make smaller holds the same matrices, so a parameter's error does not depend on
+    which unit carries it.
+    """
     errors = np.full((len(model.buckets), len(labels)), np.nan)
     by_key = {}
     if profile.fidelity is not None:
         by_key = {(e.bucket, e.config): e.update_error if measure == "update" else e.relative_error
                   for e in profile.fidelity.entries}
+    bucket_of = {name: b.index for b in profile.compute.buckets for name in b.parameters}
+    numel = {p.name: p.numel for p in profile.compute.parameters}
     for j, label in enumerate(labels):
         lossless = label == "none"
-        for i, members in enumerate(model.members):
-            # buckets exchanged together: each keeps its own compression (per matrix, per block),
-            # so their error is the size-weighted mean of theirs
-            values = []
-            for bucket in members:
-                value = 0.0 if lossless else by_key.get((bucket.index, label))
+        for i, unit in enumerate(model.buckets):
+            values, sizes = [], []
+            for name in unit.parameters:
+                value = 0.0 if lossless else by_key.get((bucket_of[name], label))
                 if value is None:
                     raise ValueError(
-                        f"the profile has no fidelity measurement of {label!r} on bucket {bucket.index}; "
+                        f"the profile has no fidelity measurement of {label!r} on bucket {bucket_of[name]}; "
                         f"profile with it among the candidate configs (advisor profile --configs ...)"
                     )
                 values.append(value)
-            sizes = [b.numel for b in members]
+                sizes.append(numel[name])
             errors[i, j] = float(np.dot(values, sizes) / max(sum(sizes), 1))
     return errors

@@ -114,8 +114,10 @@ def online_loop(rank: int, world_size: int, steps: int, kwargs: dict):
 
 
 def nan_on_rank_one(rank: int, world_size: int):
-    """Rank 1's batches make the loss NaN: every rank must raise, none may hang."""
+    """Plans measured live, one of them for smaller DDP buckets: the caps of the shadows they ran on.
+    Then rank 1's batches make the loss NaN: every rank must raise, none may hang."""
     from advisor.runtime import Plan
+    from advisor.tuning import live
     from advisor.tuning.live import measure_plans
 
     torch.manual_seed(0)
@@ -124,6 +126,23 @@ def nan_on_rank_one(rank: int, world_size: int):
     opt = workload.optimizer()
     before = {k: v.clone() for k, v in ddp.module.state_dict().items()}
     batches = list(workload.batches)
+    caps, shadow_of = [], live.shadow_of
+
+    def recording_shadow_of(*args):
+        shadow, shadow_opt = shadow_of(*args)
+        caps.append(shadow.bucket_bytes_cap)
+        return shadow, shadow_opt
+
+    live.shadow_of = recording_shadow_of
+    try:
+        measured = measure_plans(ddp, workload.loss_fn, batches, opt,
+                                 {"fp16": Plan.uniform("fp16", warmup_steps=0),
+                                  "fp16, 0.25 MiB buckets": Plan.uniform("fp16", warmup_steps=0, bucket_cap_mb=0.25),
+                                  "bf16": Plan.uniform("bf16", warmup_steps=0)}, rounds=1, steps=1, warmup=1)
+    finally:
+        live.shadow_of = shadow_of
+    smaller = {"caps": caps, "labels": list(measured), "unchanged": all(
+        torch.equal(before[k], v) for k, v in ddp.module.state_dict().items())}
     if rank == 1:
         batches = [(torch.full_like(x, float("nan")), y) for x, y in batches]
     try:
@@ -131,8 +150,8 @@ def nan_on_rank_one(rank: int, world_size: int):
                       rounds=1, steps=2, warmup=1)
     except FloatingPointError as exc:
         restored = all(torch.equal(before[k], v) for k, v in ddp.module.state_dict().items())
-        return {"error": str(exc), "restored": restored}
-    return {"error": None}
+        return {"error": str(exc), "restored": restored, "smaller": smaller}
+    return {"error": None, "smaller": smaller}
 
 
 def bad_wrap_arguments(rank: int, world_size: int):

@@ -303,9 +303,15 @@ def train_counting_messages(rank: int, world_size: int, plan_dict, steps: int):
             "hook_step": hook.step if hook is not None else None}
 
 
-def built_for_layout(rank: int, world_size: int, plan_dict, steps: int):
-    """``advisor.ddp_for`` with a plan that exchanges buckets together: DDP's cap, the plan installed, params."""
+def built_for_layout(rank: int, world_size: int, plan_dict, steps: int, finer_mb: float):
+    """``advisor.ddp_for`` with a plan that exchanges buckets together: DDP's cap, the plan installed, params;
+    then with a plan for smaller buckets (``finer_mb``): DDP's cap, its rebuilt buckets against the
+    performance model's for that cap, and the warnings of installing that plan on DDP built otherwise."""
+    import warnings
+
     import advisor
+    from advisor.perfmodel.buckets import buckets_for_cap
+    from profilers.compute import profile_compute
 
     model = make_model()
     ddp, hook = advisor.ddp_for(model, Plan.from_dict(plan_dict))
@@ -316,5 +322,20 @@ def built_for_layout(rank: int, world_size: int, plan_dict, steps: int):
         advisor.ddp_for(make_model(), Plan.from_dict(plan_dict), bucket_cap_mb=25)
     except ValueError as exc:
         refused = str(exc)
-    return {"params": _params(model), "losses": losses, "bucket_bytes_cap": ddp.bucket_bytes_cap,
-            "installed_exchange_mb": hook.plan.exchange_mb, "refused": refused}
+    out = {"params": _params(model), "losses": losses, "bucket_bytes_cap": ddp.bucket_bytes_cap,
+           "installed_exchange_mb": hook.plan.exchange_mb, "refused": refused}
+
+    finer = Plan.uniform("fp16", warmup_steps=0, bucket_cap_mb=finer_mb)
+    with warnings.catch_warnings(record=True) as built_warnings:
+        warnings.simplefilter("always")
+        small, _ = advisor.ddp_for(make_model(), finer)
+    profile = profile_compute(small, lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]),
+                              [batch(rank, s) for s in range(4)], steps=2, warmup=1)
+    with warnings.catch_warnings(record=True) as other_warnings:
+        warnings.simplefilter("always")
+        advisor.install(DDP(make_model()), finer)
+    return {**out, "finer_cap": small.bucket_bytes_cap,
+            "finer_buckets": [b.parameters for b in profile.buckets],
+            "modelled_buckets": [b.parameters for b in buckets_for_cap(profile.parameters, finer_mb)],
+            "finer_warnings": [str(w.message) for w in built_warnings],
+            "other_warnings": [str(w.message) for w in other_warnings]}

@@ -68,8 +68,9 @@ def test_autotune_compresses_on_a_slow_link_and_installs_the_plan():
     assert r.accuracy is None and "accuracy_trial=False" in r.accuracy_unproven
     assert r.speedup["measured_vs_fp32"] > 1.5 and r.speedup["measured_vs_16bit"] > 1.0
     assert out[0]["hook_steps"] == 6  # installed on the user's model, ran the 6 training steps
-    assert r.layouts[0].startswith("DDP's ") and len(r.layouts) >= 2  # coarser bucket layouts were searched too
-    assert r.plan_object().exchange_mb == r.exchange_mb == r.bucket_cap_mb
+    assert r.layouts[0].startswith("DDP's ") and len(r.layouts) >= 2  # other bucket layouts were searched too
+    plan = r.plan_object()
+    assert plan.exchange_mb == r.exchange_mb and r.bucket_cap_mb == (plan.exchange_mb or plan.bucket_cap_mb)
     watched = out[0]["watched"]  # result.watch: the installed plan, read after its first fidelity window
     assert watched[0] == "watch" and "fidelity" in watched and "back-off" not in watched
     assert all(o["unchanged"] for o in out)
@@ -124,13 +125,25 @@ def test_a_watched_plan_backs_off_when_the_compression_gain_drops():
     assert final.config_for("0.weight").label in {"topk(ratio=0.1)", "fp16", "none"}
 
 
-def test_a_nan_loss_on_one_rank_stops_every_rank_with_the_state_restored():
+@pytest.fixture(scope="module")
+def measured_live():
     from autotune_programs import nan_on_rank_one
 
-    out = launch_local(nan_on_rank_one, 2, timeout=120)
-    for o in out:
+    return launch_local(nan_on_rank_one, 2, timeout=180)
+
+
+def test_a_nan_loss_on_one_rank_stops_every_rank_with_the_state_restored(measured_live):
+    for o in measured_live:
         assert o["error"] and "NaN/Inf" in o["error"] and "fp32" in o["error"]
         assert o["restored"]
+
+
+def test_a_plan_for_smaller_buckets_is_measured_on_a_copy_of_ddp_built_with_them(measured_live):
+    for o in measured_live:
+        smaller = o["smaller"]
+        # one shadow for DDP's own buckets (fp16 and bf16 share it), one built with the plan's cap
+        assert smaller["caps"] == [25 * (1 << 20), int(0.25 * (1 << 20))], smaller
+        assert smaller["labels"] == ["fp32", "fp16", "fp16, 0.25 MiB buckets", "bf16"] and smaller["unchanged"]
 
 
 def test_wrap_refuses_bad_arguments_before_installing_anything():

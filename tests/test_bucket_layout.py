@@ -6,7 +6,7 @@ from constructed import tuning_profile
 
 from advisor.runtime import Plan
 from advisor.testbed.launch import launch_local
-from advisor.tuning.steps import search, search_layouts
+from advisor.tuning.steps import search, search_layouts, short_list, uniform_cast
 from advisor.tuning.whatif import what_if
 from policies.greedy import GreedyPolicy
 from policies.problem import TuningProblem
@@ -64,10 +64,85 @@ def test_whatif_names_the_layout_a_compressor_is_predicted_under():
 @pytest.mark.slow
 def test_ddp_for_builds_ddp_with_the_layouts_buckets_and_the_plan_without_its_join():
     plan = Plan.uniform("fp16", warmup_steps=0, exchange_mb=0.02)
-    built = launch_local(rp.built_for_layout, 2, (plan.to_dict(), 4), timeout=120)
+    built = launch_local(rp.built_for_layout, 2, (plan.to_dict(), 4, 0.01), timeout=120)
     joined = launch_local(rp.train_counting_messages, 2, (plan.to_dict(), 4), timeout=120)[0]
     assert built[0]["bucket_bytes_cap"] == int(0.02 * (1 << 20)) and built[0]["installed_exchange_mb"] is None
     rp_params = joined["params"]
     for name, value in built[0]["params"].items():
         assert (value == rp_params[name]).all(), name  # the same fp16 sums, whichever buckets carried them
     assert "bucket_cap_mb=25 given, but the plan's layout sets DDP's buckets" in built[0]["refused"]
+
+    # a plan for buckets smaller than DDP's: DDP is built with that cap, and its rebuilt buckets are
+    # the ones the performance model prices for it
+    finer = built[0]
+    assert finer["finer_cap"] == int(0.01 * (1 << 20))
+    assert len(finer["finer_buckets"]) > 2 and finer["finer_buckets"] == finer["modelled_buckets"]
+    assert finer["finer_warnings"] == []
+    # on DDP built with its default buckets the plan runs, and says it was measured on others
+    assert any("tuned for DDP built with bucket_cap_mb=0.01" in w and "advisor.ddp_for" in w
+               for w in finer["other_warnings"])
+
+
+def one_bucket(profile):
+    """``profile`` as DDP built with one big bucket: every parameter in bucket 0, its errors the size-weighted mean."""
+    from profilers.profile import Bucket, FidelityEntry
+
+    compute = profile.compute
+    sizes = {b.index: b.numel for b in compute.buckets}
+    total = sum(sizes.values())
+    entries = []
+    for config in sorted({e.config for e in profile.fidelity.entries}):
+        mine = [e for e in profile.fidelity.entries if e.config == config]
+        mean = sum(e.relative_error * sizes[e.bucket] for e in mine) / total
+        entries.append(FidelityEntry(0, config, mean, 1.0 - mean))
+    order = sorted(compute.parameters, key=lambda p: p.ready_s)
+    compute.buckets = [Bucket(0, [p.name for p in order], total)]
+    profile.fidelity.entries = entries
+    return profile
+
+
+def test_the_search_takes_smaller_ddp_buckets_where_one_big_bucket_leaves_communication_after_backward():
+    # 12 parameters of 4 MiB ready evenly through 60 ms of backward, in one bucket at 1 Gbit/s:
+    # all 48 MiB cross after backward; in buckets of one parameter each, most cross during it
+    problem = TuningProblem.from_profile(one_bucket(tuning_profile(n_buckets=12, numel=1024 * 1024)), budget=0.35)
+    assert problem.n_buckets == 1
+    finer = problem.with_layout(None, 1.0)
+    assert finer.n_buckets == 12 and finer.bucket_cap_mb == 1.0
+    # a parameter's error is its bucket's, whichever bucket carries it
+    assert finer.fidelity_error(finer.uniform("powersgd(rank=1)"))[0] == pytest.approx(
+        problem.fidelity_error(problem.uniform("powersgd(rank=1)"))[0])
+    fp16 = finer.plan(finer.uniform("fp16")[0], warmup_steps=0)
+    assert fp16.bucket_cap_mb == 1.0 and fp16.exchange_mb is None
+    assert len(problem.model.predict(fp16).buckets) == 12  # the model follows the plan's layout
+    assert problem.model.predict(fp16).iteration_s < 0.8 * problem.model.predict(
+        Plan.uniform("fp16", warmup_steps=0)).iteration_s
+
+    found = search(GreedyPolicy(), problem)
+    chosen, best, lines = search_layouts(GreedyPolicy(), problem, found)
+    assert chosen.bucket_cap_mb == 1.0 and best.predicted_s < 0.9 * found.predicted_s
+    assert any(line.startswith("DDP's buckets at 1 MiB (12)") for line in lines)
+    assert search_layouts(GreedyPolicy(), problem, found, finer=False)[0] is problem  # wrap's race cannot run it
+
+    # the 16-bit cast in smaller buckets is raced as a candidate, judged for accuracy as the cast
+    casts = TuningProblem.from_profile(one_bucket(tuning_profile(n_buckets=12, numel=1024 * 1024)),
+                                       ["none", "fp16"], budget=0.35)
+    assert short_list(casts, search(GreedyPolicy(), casts), 3) == []  # on DDP's own buckets: the baseline
+    smaller = casts.with_layout(None, 1.0)
+    arms = short_list(smaller, search(GreedyPolicy(), smaller), 3)
+    assert uniform_cast(arms[0]) == "fp16" and arms[0].plan.bucket_cap_mb == 1.0
+    # whatif: a cast may take smaller buckets, fp32 stays native DDP on its own
+    rows = {r.config: r for r in what_if(one_bucket(tuning_profile(n_buckets=12, numel=1024 * 1024)),
+                                         budget=0.35).rows}
+    assert rows["fp16"].bucket_cap_mb == 1.0 and rows["fp16"].predicted_s < rows["fp16"].ddp_buckets_s
+    assert rows["fp16"].layout == " with DDP's buckets at 1 MiB"
+    assert rows["none"].bucket_cap_mb is None and rows["none"].exchange_mb is None
+
+
+def test_a_plan_holds_one_layout_and_names_the_two():
+    with pytest.raises(ValueError, match="give one layout: exchange_mb joins DDP's buckets in the hook, "
+                                         "bucket_cap_mb needs DDP built with smaller buckets"):
+        Plan.uniform("fp16", exchange_mb=4, bucket_cap_mb=1)
+    with pytest.raises(ValueError, match="bucket_cap_mb=-1; allowed: a size in MiB > 0"):
+        Plan.uniform("fp16", bucket_cap_mb=-1)
+    plan = Plan.uniform("fp16", bucket_cap_mb=1)
+    assert Plan.from_dict(plan.to_dict()) == plan and plan.digest() != Plan.uniform("fp16").digest()

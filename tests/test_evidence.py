@@ -187,3 +187,42 @@ def test_an_efficiency_above_one_is_capped_so_luck_cannot_make_a_plan_look_faste
 def test_without_an_optimizer_no_compressed_plan_can_be_proven():
     decision, _, rejected = decide_time_to_accuracy(MEASURED, unprovable("no optimizer"))
     assert decision.chosen == "bf16" and all("no optimizer" in r for r in rejected)
+
+
+def test_a_cast_in_smaller_buckets_is_installed_on_its_step_speed_up_with_the_casts_verdict():
+    # "c1" runs bf16 everywhere on smaller DDP buckets: judged as the cast, which carries no efficiency
+    cast_verdict = verdict("bf16", gate.ACCEPTED)
+    decision, checked, rejected = decide_time_to_accuracy(MEASURED, lambda d: cast_verdict)
+    assert decision.chosen == "c1" and decision.tta is None and not rejected
+    assert checked == "bf16: accepted"
+
+
+def test_a_cast_in_another_layout_shares_the_casts_one_accuracy_verdict():
+    from constructed import tuning_profile
+
+    from advisor.tuning.steps import LazyTrial, baseline_arms, short_list
+    from policies.greedy import GreedyPolicy
+    from policies.problem import TuningProblem
+
+    class Trial:
+        calls = []
+
+        def start(self):
+            pass
+
+        def report(self):
+            return None
+
+        def trial(self, label, plan, kind, description, error):
+            self.calls.append((label, plan, kind))
+            return verdict(label, gate.ACCEPTED)
+
+    problem = TuningProblem.from_profile(tuning_profile(n_buckets=4, numel=1024 * 1024), ["none", "fp16"], budget=0.3)
+    lazy = LazyTrial(Trial(), problem, lambda _: None)
+    smaller = problem.with_layout(None, 1.0)
+    cast_arm = short_list(smaller, GreedyPolicy().search(smaller), 1)[0]
+    lazy.judge_arm(baseline_arms(problem, "fp16")[1])
+    assert lazy.judge_arm(cast_arm).accepted
+    assert len(Trial.calls) == 1  # one trial of the cast, whatever its layout
+    label, plan, kind = Trial.calls[0]
+    assert (label, kind, plan.bucket_cap_mb, plan.exchange_mb) == ("fp16", gate.SIXTEEN_BIT, None, None)

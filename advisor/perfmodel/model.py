@@ -43,6 +43,7 @@ import numpy as np
 
 from advisor.compressors import Collective, SegmentLayout, parse
 from advisor.compressors.registry import CompressorConfig
+from advisor.perfmodel.buckets import buckets_for_cap
 from advisor.perfmodel.timeline import BucketSpan, Timeline
 from advisor.runtime.plan import Plan, check_exchange_mb, exchange_groups
 
@@ -174,11 +175,14 @@ class PerformanceModel:
     """Predict iteration timelines from a :class:`profilers.profile.ClusterProfile`."""
 
     def __init__(self, profile, scenario: Scenario | None = None, overlap: float = 1.0,
-                 round_s: float | None = None, exchange_mb: float | None = None) -> None:
+                 round_s: float | None = None, exchange_mb: float | None = None,
+                 bucket_cap_mb: float | None = None) -> None:
         """``round_s``: cost of a message round beyond the network fit; by default what
         the profile measured (0 for profiles from before that measurement).  ``exchange_mb``:
         the bucket layout (:class:`advisor.runtime.Plan`): DDP's buckets are exchanged in
-        groups of that size, and the model's units (``buckets``) are those groups."""
+        groups of that size, and the model's units (``buckets``) are those groups.
+        ``bucket_cap_mb``: DDP built with buckets of that size instead of the profiled ones
+        (the other layout, :attr:`advisor.runtime.Plan.bucket_cap_mb`)."""
         self.profile = profile
         self.scenario = scenario or Scenario()
         if not overlap > 0:
@@ -200,12 +204,17 @@ class PerformanceModel:
         self.cpu_interference = str(profile.environment.device).startswith("cpu")
         ready = {p.name: p.ready_s / speed for p in compute.parameters}
         shapes = {p.name: tuple(p.shape) for p in compute.parameters}
+        self.bucket_cap_mb = check_exchange_mb(bucket_cap_mb, "bucket_cap_mb")
+        built = compute.buckets if self.bucket_cap_mb is None else buckets_for_cap(compute.parameters, self.bucket_cap_mb)
         # DDP hands buckets over in the order their gradients become ready (after its rebuild)
-        ddp_buckets = sorted(compute.buckets, key=lambda b: max(ready[n] for n in b.parameters))
+        handed_over = sorted(built, key=lambda b: max(ready[n] for n in b.parameters))
         self.exchange_mb = check_exchange_mb(exchange_mb)
+        if self.exchange_mb is not None and self.bucket_cap_mb is not None:
+            raise ValueError("a layout either joins DDP's buckets (exchange_mb) or rebuilds them (bucket_cap_mb), "
+                             "not both")
         #: the DDP buckets behind each unit the model replays (one each, unless the layout merges them)
-        self.members = [[ddp_buckets[i] for i in group]
-                        for group in exchange_groups([b.numel * 4 for b in ddp_buckets], self.exchange_mb)]
+        self.members = [[handed_over[i] for i in group]
+                        for group in exchange_groups([b.numel * 4 for b in handed_over], self.exchange_mb)]
         self.buckets = [m[0] if len(m) == 1 else ExchangeUnit(m[0].index, [n for b in m for n in b.parameters],
                                                               sum(b.numel for b in m)) for m in self.members]
         self.layouts = [SegmentLayout(tuple(b.parameters), tuple(shapes[n] for n in b.parameters)) for b in self.buckets]
@@ -220,7 +229,7 @@ class PerformanceModel:
         self.copy_in_s = np.array([b.numel * 4 * copy * (1 if len(m) == 1 else 3)
                                    for b, m in zip(self.buckets, self.members)])
         self.copy_out_s = float(sum(b.numel * 4 * copy for b in self.buckets))
-        self._siblings: dict[float | None, PerformanceModel] = {self.exchange_mb: self}
+        self._siblings: dict[tuple[float | None, float | None], PerformanceModel] = {self.layout: self}
 
     # --- costs ----------------------------------------------------------------------
     def _kernel_seconds(self, config: CompressorConfig, numel: int) -> tuple[float, float]:
@@ -310,21 +319,26 @@ class PerformanceModel:
     def compute_only_s(self) -> float:
         return self.forward_s + self.backward_s + self.optimizer_s
 
-    def with_layout(self, exchange_mb: float | None) -> PerformanceModel:
+    @property
+    def layout(self) -> tuple[float | None, float | None]:
+        """``(exchange_mb, bucket_cap_mb)``: how this model's units are made from the profiled buckets."""
+        return self.exchange_mb, self.bucket_cap_mb
+
+    def with_layout(self, exchange_mb: float | None, bucket_cap_mb: float | None = None) -> PerformanceModel:
         """This model (calibration included) under another bucket layout."""
-        exchange_mb = check_exchange_mb(exchange_mb)
-        sibling = self._siblings.get(exchange_mb)
+        key = (check_exchange_mb(exchange_mb), check_exchange_mb(bucket_cap_mb, "bucket_cap_mb"))
+        sibling = self._siblings.get(key)
         if sibling is None or (sibling.overlap, sibling.round_s) != (self.overlap, self.round_s):
-            sibling = PerformanceModel(self.profile, self.scenario, self.overlap, self.round_s, exchange_mb)
+            sibling = PerformanceModel(self.profile, self.scenario, self.overlap, self.round_s, *key)
             sibling._siblings = self._siblings
-            self._siblings[exchange_mb] = sibling
+            self._siblings[key] = sibling
         return sibling
 
     def predict(self, plan: Plan) -> Timeline:
         """The timeline of one plan (parameters of one bucket may use different configs), under
         the plan's own bucket layout."""
-        if plan.exchange_mb != self.exchange_mb:
-            return self.with_layout(plan.exchange_mb).predict(plan)
+        if (plan.exchange_mb, plan.bucket_cap_mb) != self.layout:
+            return self.with_layout(plan.exchange_mb, plan.bucket_cap_mb).predict(plan)
         enc = np.zeros((1, len(self.layouts)))
         comm, dec, cpu = np.zeros_like(enc), np.zeros_like(enc), np.zeros_like(enc)
         labels, wires = [], []

@@ -52,7 +52,12 @@ def render_result(result, console: Console | None = None) -> None:
 def render_layouts(result, console) -> None:
     """The bucket layouts searched, the one the advice runs, and how to build DDP for it."""
     console.print("Bucket layouts searched (best predicted plan each): " + "; ".join(result.layouts))
-    if result.exchange_mb is None:
+    if result.exchange_mb is None and result.bucket_cap_mb is not None:
+        console.print(f"Layout of the advice: DDP's buckets at {result.bucket_cap_mb:g} MiB, smaller than the ones "
+                      "this DDP model was built with; it was measured so. Only DDP makes its buckets smaller: build "
+                      f"DDP with bucket_cap_mb={result.bucket_cap_mb:g} (advisor.ddp_for(module, result)); on the "
+                      "DDP model it was tuned on the plan runs, more slowly")
+    elif result.exchange_mb is None:
         console.print("Layout of the advice: DDP's own buckets")
     else:
         console.print(f"Layout of the advice: DDP's buckets exchanged together up to {result.exchange_mb:g} MiB "

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -445,6 +446,21 @@ def _trainable_names(module: torch.nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in module.named_parameters() if p.requires_grad}
 
 
+def warn_if_buckets_differ(ddp_model: DistributedDataParallel, plan: Plan) -> None:
+    """Warn where ``plan`` was tuned for DDP buckets of another size than ``ddp_model`` was built with:
+    it runs, but not at the speed it was measured at (only DDP can make its buckets smaller)."""
+    if plan.bucket_cap_mb is None:
+        return
+    built_mb = getattr(ddp_model, "bucket_bytes_cap", 0) / (1 << 20)
+    explicit = not getattr(ddp_model, "bucket_bytes_cap_default", False)
+    if explicit and abs(built_mb - plan.bucket_cap_mb) <= 1e-9 * plan.bucket_cap_mb:
+        return
+    warnings.warn(f"the plan was tuned for DDP built with bucket_cap_mb={plan.bucket_cap_mb:g}, this DDP model "
+                  f"has {'the default ' if not explicit else ''}{built_mb:g} MiB buckets: the plan runs, but not "
+                  f"at the speed it was measured at. Build DDP with advisor.ddp_for(module, plan) (or "
+                  f"DistributedDataParallel(module, bucket_cap_mb={plan.bucket_cap_mb:g}))", stacklevel=3)
+
+
 def install(
     ddp_model: DistributedDataParallel, plan: Plan | Mapping[str, Any] | str | Path, group=None
 ) -> CompressionHook:
@@ -492,6 +508,7 @@ def install(
     sparse = sparse_parameters(ddp_model.module)
     if sparse:
         log.info("parameters %s have sparse gradients: they cross uncompressed, whatever the plan says", sparse)
+    warn_if_buckets_differ(ddp_model, plan)
     state = CompressionHook(plan, names, group)
     state.sparse_gradients = bool(sparse)
     try:

@@ -8,6 +8,12 @@ change of bucket size.  Parameters in no group use ``default``.
 together until they hold at least that many MiB (the iteration's last bucket ends any
 group), so a compressor makes one round where DDP's buckets would make several.  It is
 a size, not a list of buckets, for the same reason groups are names.
+
+``bucket_cap_mb`` is a layout only DDP can make: buckets smaller than the ones it was built
+with, so that gradients leave backward sooner.  A hook cannot split a bucket DDP hands it
+whole, so such a plan names the ``bucket_cap_mb`` DDP must be built with
+(:func:`advisor.ddp_for` does it); installed on DDP built otherwise it runs, with a warning
+that its measured speed assumed those buckets.
 """
 
 from __future__ import annotations
@@ -64,11 +70,19 @@ class Plan(JsonDocument):
     #: the bucket layout: consecutive DDP buckets are exchanged together until they hold this
     #: many MiB (None: each bucket on its own, as DDP made them); see the module docstring
     exchange_mb: float | None = None
+    #: DDP's ``bucket_cap_mb`` the plan was tuned for, where it needs DDP built with smaller
+    #: buckets than DDP's default (None: DDP's buckets as built); see the module docstring
+    bucket_cap_mb: float | None = None
 
     def __post_init__(self) -> None:
         self.default = parse(self.default)
         self.kernel_forms = check_forms(self.kernel_forms)
         self.exchange_mb = check_exchange_mb(self.exchange_mb)
+        self.bucket_cap_mb = check_exchange_mb(self.bucket_cap_mb, "bucket_cap_mb")
+        if self.exchange_mb is not None and self.bucket_cap_mb is not None:
+            raise ValueError(f"plan has exchange_mb={self.exchange_mb:g} and bucket_cap_mb={self.bucket_cap_mb:g}; "
+                             "give one layout: exchange_mb joins DDP's buckets in the hook, bucket_cap_mb needs "
+                             "DDP built with smaller buckets")
         self.groups = [g if isinstance(g, PlanGroup) else PlanGroup(**g) for g in self.groups]
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"plan warmup_steps={self.warmup_steps!r}; allowed: an integer >= 0")
@@ -93,7 +107,7 @@ class Plan(JsonDocument):
         Args:
             compressor: a config in any form :func:`advisor.parse` reads (``"fp16"``, ...).
             **kwargs: more fields: ``warmup_steps`` (uncompressed steps first; default 10),
-                ``seed``, ``metadata``, ``kernel_forms``, ``exchange_mb``.
+                ``seed``, ``metadata``, ``kernel_forms``, ``exchange_mb``, ``bucket_cap_mb``.
 
         Raises:
             ValueError: an unreadable or invalid config, naming the allowed ones.
@@ -174,6 +188,7 @@ class Plan(JsonDocument):
             "metadata": self.metadata,
             **({"kernel_forms": dict(sorted(self.kernel_forms.items()))} if self.kernel_forms else {}),
             **({"exchange_mb": self.exchange_mb} if self.exchange_mb is not None else {}),
+            **({"bucket_cap_mb": self.bucket_cap_mb} if self.bucket_cap_mb is not None else {}),
         }
 
     @classmethod
@@ -181,7 +196,7 @@ class Plan(JsonDocument):
         cls.check_header(data)
         version = data["version"]
         extra = set(data) - {"kind", "version", "default", "warmup_steps", "seed", "groups", "metadata", "kernel_forms",
-                                "exchange_mb"}
+                                "exchange_mb", "bucket_cap_mb"}
         if extra:
             raise ValueError(f"plan has unknown field(s) {sorted(extra)}")
         groups = []
@@ -204,6 +219,7 @@ class Plan(JsonDocument):
             version=version,
             kernel_forms=data.get("kernel_forms", {}),
             exchange_mb=data.get("exchange_mb"),
+            bucket_cap_mb=data.get("bucket_cap_mb"),
         )
 
     def digest(self) -> str:
@@ -213,14 +229,16 @@ class Plan(JsonDocument):
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def check_exchange_mb(exchange_mb: Any) -> float | None:
-    """``exchange_mb`` as a float, or None; raises ValueError naming the allowed values."""
+def check_exchange_mb(exchange_mb: Any, name: str = "exchange_mb") -> float | None:
+    """``exchange_mb`` (or ``bucket_cap_mb``) as a float, or None; raises ValueError naming the allowed values."""
     if exchange_mb is None:
         return None
     if isinstance(exchange_mb, bool) or not isinstance(exchange_mb, (int, float)) or not (
             math.isfinite(exchange_mb) and exchange_mb > 0):
-        raise ValueError(f"plan exchange_mb={exchange_mb!r}; allowed: a size in MiB > 0 (consecutive DDP buckets "
-                         "are exchanged together until they hold that much), or None (each bucket on its own)")
+        meaning = ("consecutive DDP buckets are exchanged together until they hold that much), or None (each bucket "
+                   "on its own)" if name == "exchange_mb" else
+                   "DDP built with buckets of that size), or None (DDP's buckets as built)")
+        raise ValueError(f"plan {name}={exchange_mb!r}; allowed: a size in MiB > 0 ({meaning}")
     return float(exchange_mb)
 
 

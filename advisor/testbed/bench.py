@@ -48,6 +48,14 @@ PYTORCH = tuple(s for s in SETTINGS if s.startswith(("DDP fp32", "PyTorch")))
 MATCHED_REFERENCE = "powersgd(rank=1)"
 
 
+def layout_of(result: dict) -> str:
+    """The bucket layout of an autotune result's advice, in words."""
+    if result.get("exchange_mb"):
+        return f"DDP's buckets exchanged together up to {result['exchange_mb']:g} MiB"
+    smaller = (result.get("plan") or {}).get("bucket_cap_mb")
+    return f"DDP built with {smaller:g} MiB buckets" if smaller else "DDP's own buckets"
+
+
 def _fresh(spec: str, **ddp_kwargs):
     workload = build_workload(spec)
     return workload, DDP(workload.model, **ddp_kwargs)
@@ -61,8 +69,16 @@ def _autotuned(spec: str, batches: list, where: str, measurements: str | None, a
     result = advisor.autotune(model, workload.loss_fn, batches, opt, measurements_path=measurements, where=where,
                               **autotune_kwargs)
     tune_s = time.perf_counter() - t0
+    plan = result.plan_object()
+    if plan.bucket_cap_mb is not None:
+        # the advice needs DDP built with smaller buckets, which only DDP makes: built as the result says
+        if result.hook is not None:
+            result.hook.close()
+        workload = build_workload(spec)
+        model, result.hook = advisor.ddp_for(workload.model, result)
+        opt = workload.optimizer()
     # past the installed plan's uncompressed warm-up before anything is timed
-    timed_steps(model, workload.loss_fn, batches, opt, 1, result.plan_object().warmup_steps)
+    timed_steps(model, workload.loss_fn, batches, opt, 1, plan.warmup_steps)
     return model, opt, result, tune_s
 
 
@@ -204,9 +220,7 @@ def render_row(row: dict, console=None) -> None:
                   f"{row['vs_best_powersgd']:.2f}x, vs best baseline {row['vs_best_baseline']:.2f}x, vs the best "
                   f"PyTorch setting in hindsight ({row['best_pytorch']}) {row['vs_best_pytorch']:.2f}x; "
                   f"noise ±{row['noise']:.1%} (a setting's median absolute deviation across rounds, median)")
-    layout = (row.get("result") or {}).get("exchange_mb")
-    joined = f"DDP's buckets exchanged together up to {layout:g} MiB" if layout else "DDP's own buckets"
-    console.print(f"advice's bucket layout: {joined}")
+    console.print(f"advice's bucket layout: {layout_of(row.get('result') or {})}")
     if "matched_advice" in row:
         console.print(f"held to PowerSGD rank 1's fidelity budget: advice {row['matched_advice']} "
                       f"(autotune {row['matched_tune_s']:.0f} s), {row['matched_vs_powersgd_r1']:.2f}x vs "

@@ -159,7 +159,9 @@ def _train_arm(workload, initial: dict, plan: Plan | None, batches: list, steps:
     else:
         model = copy.deepcopy(workload.model)
         model.load_state_dict(initial)
-        ddp = DistributedDataParallel(model, process_group=group)
+        # a plan tuned for smaller DDP buckets runs on DDP built with them, as advisor.ddp_for builds it
+        smaller = {"bucket_cap_mb": plan.bucket_cap_mb} if plan is not None and plan.bucket_cap_mb else {}
+        ddp = DistributedDataParallel(model, process_group=group, **smaller)
         hook = install(ddp, plan, group=group) if plan is not None else None
     opt = workload.optimizer(model)
     checkpoints, seconds, curve, times = [0], [0.0], [], []

@@ -3,7 +3,8 @@
 A plan with ``exchange_mb`` holds DDP's buckets back and joins them into one exchange, which
 costs a copy of each joined bucket.  DDP built with ``bucket_cap_mb=exchange_mb`` makes
 buckets of about that size itself (it closes a bucket once it holds the cap, as the hook
-closes a group), so the plan then runs without the join.
+closes a group), so the plan then runs without the join.  A plan with ``bucket_cap_mb`` was tuned for DDP
+buckets smaller than DDP's default, which only DDP can make: DDP is built with that cap.
 """
 
 from __future__ import annotations
@@ -39,14 +40,18 @@ def ddp_for(module: torch.nn.Module, advice: Any, *, group=None,
             disagree: drop one), or a plan invalid for ``module`` (on every rank).
     """
     plan = _plan_of(advice)
-    if plan.exchange_mb is not None:
+    layout = next(((field, getattr(plan, field)) for field in ("exchange_mb", "bucket_cap_mb")
+                   if getattr(plan, field) is not None), None)
+    if layout is not None:
+        field, mb = layout
         for taken in ("bucket_cap_mb", "bucket_cap_mb_list"):
             if taken in ddp_kwargs:
                 raise ValueError(f"{taken}={ddp_kwargs[taken]!r} given, but the plan's layout sets DDP's buckets "
-                                 f"(exchange_mb={plan.exchange_mb:g}); drop {taken}, or pass the plan without its "
-                                 "layout (dataclasses.replace(plan, exchange_mb=None))")
-        ddp_kwargs["bucket_cap_mb"] = plan.exchange_mb
-        plan = dataclasses.replace(plan, exchange_mb=None)
+                                 f"({field}={mb:g}); drop {taken}, or pass the plan without its "
+                                 f"layout (dataclasses.replace(plan, {field}=None))")
+        ddp_kwargs["bucket_cap_mb"] = mb
+        if field == "exchange_mb":  # DDP now makes the joined buckets itself
+            plan = dataclasses.replace(plan, exchange_mb=None)
     ddp = DistributedDataParallel(module, process_group=group, **ddp_kwargs)
     if plan.metadata.get("native"):
         return ddp, None

@@ -74,17 +74,23 @@ def module_copy(module: torch.nn.Module) -> torch.nn.Module:
     return duplicate
 
 
-def shadow_ddp(ddp: DistributedDataParallel) -> DistributedDataParallel:
-    """A copy of ``ddp``'s module (its current weights) in its own DDP wrapper, with the same buckets."""
+def shadow_ddp(ddp: DistributedDataParallel, bucket_cap_mb: float | None = None) -> DistributedDataParallel:
+    """A copy of ``ddp``'s module (its current weights) in its own DDP wrapper, with the same buckets,
+    or with buckets of ``bucket_cap_mb`` where given (a plan's rebuilt layout)."""
     module = module_copy(ddp.module)
+    kwargs = bucketing_kwargs(ddp)
+    if bucket_cap_mb is not None:
+        kwargs.pop("bucket_cap_mb_list", None)
+        kwargs["bucket_cap_mb"] = bucket_cap_mb
     with warnings.catch_warnings():  # newer PyTorch renames broadcast_buffers; same meaning
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
-        return DistributedDataParallel(module, process_group=ddp.process_group, **bucketing_kwargs(ddp))
+        return DistributedDataParallel(module, process_group=ddp.process_group, **kwargs)
 
 
-def shadow_of(ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer | None):
-    """A shadow DDP copy with a clone of ``optimizer`` (its state too), for timing steps."""
-    shadow = shadow_ddp(ddp)
+def shadow_of(ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer | None,
+              bucket_cap_mb: float | None = None):
+    """A shadow DDP copy (buckets as :func:`shadow_ddp`) with a clone of ``optimizer`` (its state too), for timing steps."""
+    shadow = shadow_ddp(ddp, bucket_cap_mb)
     opt = None
     if optimizer is not None:
         try:
@@ -167,23 +173,25 @@ def measure_plans(
         raise ValueError("measuring plans needs at least one batch")
     labels = (["fp32"] if native else []) + list(plans)
     per_label = _steps_per_label(labels, steps, rounds)
-    shadow, shadow_opt = shadow_of(ddp, optimizer)
-    hook: CompressionHook | None = None
+    # one shadow per DDP bucket layout the plans need (Plan.bucket_cap_mb), its hook switched between them
+    shadows: dict[float | None, tuple[DistributedDataParallel, Any, CompressionHook]] = {}
     result: dict[str, list[float]] = {label: [] for label in labels}
     try:
-        first = next(iter(plans.values()), None)
-        if first is not None:
-            hook = install(shadow, first, group=group)
+        for plan in plans.values():
+            if plan.bucket_cap_mb not in shadows:
+                shadow, shadow_opt = shadow_of(ddp, optimizer, plan.bucket_cap_mb)
+                shadows[plan.bucket_cap_mb] = (shadow, shadow_opt, install(shadow, plan, group=group))
         with StateGuard(ddp.module, optimizer):
             def run(label: str, settle: int, finite: list[bool]) -> float:
                 if label == "fp32":
                     return timed_steps(ddp, loss_fn, batches, optimizer, per_label[label], settle, finite=finite)
+                shadow, shadow_opt, hook = shadows[plans[label].bucket_cap_mb]
                 hook.set_plan(plans[label], reason=f"live measurement of {label}", verify=False)
                 return timed_steps(shadow, loss_fn, batches, shadow_opt, per_label[label], settle, finite=finite)
 
             _interleaved(labels, run, result, rounds, max_rounds, settled, warmup, group, progress)
     finally:
-        if hook is not None:
+        for _, _, hook in shadows.values():
             hook.close()
     return result
 

@@ -147,9 +147,10 @@ class AutotuneResult(VersionedDocument):
 
     @property
     def bucket_cap_mb(self) -> float | None:
-        """DDP's ``bucket_cap_mb`` that makes the chosen layout's buckets itself, sparing the hook
-        the copy that joins them (:func:`advisor.ddp_for` builds DDP so); None: keep DDP's own."""
-        return self.exchange_mb
+        """DDP's ``bucket_cap_mb`` that makes the chosen layout's buckets itself: joined ones, sparing
+        the hook the copy that joins them, or the smaller ones only DDP can make (the plan's
+        ``bucket_cap_mb``); :func:`advisor.ddp_for` builds DDP so.  None: keep DDP's own."""
+        return self.exchange_mb if self.exchange_mb is not None else self.plan.get("bucket_cap_mb")
 
     def measured_s(self, label: str) -> float | None:
         for m in self.measured:

@@ -131,41 +131,68 @@ def search(policy: Policy, problem: TuningProblem, group=None) -> PolicyResult:
 #: bucket layouts tried beside DDP's own buckets (MiB exchanged together; the whole model in one
 #: exchange is always tried too)
 LAYOUT_GRID_MB = (4.0, 16.0, 64.0)
-#: a layout that merges buckets must be predicted this much faster than DDP's own to be searched
-#: on: it gives up overlap with backward, which the model may misjudge
+#: DDP bucket caps tried below DDP's own buckets (MiB): smaller buckets leave backward sooner and
+#: overlap more of it, at the cost of more rounds; only DDP can make them (Plan.bucket_cap_mb)
+FINER_GRID_MB = (1.0, 4.0)
+#: a layout must be predicted this much faster than DDP's own buckets to be searched on: it
+#: trades overlap with backward against rounds, which the model may misjudge
 LAYOUT_MARGIN = 0.03
 
 
-def layouts_to_try(problem: TuningProblem) -> list[float]:
-    """The ``exchange_mb`` values that group ``problem``'s buckets differently from DDP and from
-    each other: the grid, then the whole model in one exchange."""
+@dataclass(frozen=True)
+class Layout:
+    """A bucket layout beside DDP's own: buckets joined in the hook up to ``exchange_mb``, or DDP
+    rebuilt with ``bucket_cap_mb`` (:class:`advisor.runtime.Plan`); one of the two is set."""
+
+    exchange_mb: float | None = None
+    bucket_cap_mb: float | None = None
+
+    def describe(self) -> str:
+        return (f"{self.exchange_mb:g} MiB exchanges" if self.exchange_mb is not None
+                else f"DDP's buckets at {self.bucket_cap_mb:g} MiB")
+
+
+def layouts_to_try(problem: TuningProblem, finer: bool = True) -> list[Layout]:
+    """The layouts that group ``problem``'s parameters differently from DDP's buckets and from each
+    other: coarser (the join grid, then the whole model in one exchange), then (``finer``) finer."""
     sizes = [b.numel * 4 for b in problem.model.buckets]
-    seen = {tuple(map(tuple, exchange_groups(sizes, None)))}
+
+    def grouping(model) -> tuple:
+        return tuple(tuple(b.parameters) for b in model.buckets)
+
+    seen = {grouping(problem.model)}
     out = []
     for mb in (*LAYOUT_GRID_MB, float(math.ceil(sum(sizes) / (1 << 20)))):
         groups = tuple(map(tuple, exchange_groups(sizes, mb)))
-        if groups not in seen:
-            seen.add(groups)
-            out.append(mb)
+        key = tuple(tuple(n for i in g for n in problem.model.buckets[i].parameters) for g in groups)
+        if key not in seen:
+            seen.add(key)
+            out.append(Layout(exchange_mb=mb))
+    for mb in FINER_GRID_MB if finer else ():
+        key = grouping(problem.model.with_layout(None, mb))
+        if key not in seen and len(key) > problem.n_buckets:
+            seen.add(key)
+            out.append(Layout(bucket_cap_mb=mb))
     return out
 
 
-def search_layouts(policy: Policy, problem: TuningProblem, found: PolicyResult, group=None,
-                   ) -> tuple[TuningProblem, PolicyResult, list[str]]:
-    """The search again under each coarser bucket layout (``problem`` has DDP's own); the layout
+def search_layouts(policy: Policy, problem: TuningProblem, found: PolicyResult, group=None, *,
+                   finer: bool = True) -> tuple[TuningProblem, PolicyResult, list[str]]:
+    """The search again under each other bucket layout (``problem`` has DDP's own); the layout
     whose best plan is predicted fastest, by :data:`LAYOUT_MARGIN` over DDP's buckets, and a
-    line per layout tried."""
-    if problem.exchange_mb is not None:
-        raise ValueError("search_layouts starts from DDP's own buckets (a problem without exchange_mb)")
+    line per layout tried.  ``finer=False`` leaves out layouts only a rebuilt DDP has (a tuner
+    that measures on the user's own DDP model cannot run them)."""
+    if problem.model.layout != (None, None):
+        raise ValueError("search_layouts starts from DDP's own buckets (a problem without a layout)")
     best = (problem, found)
     lines = [f"DDP's {problem.n_buckets} buckets: {found.predicted_s * 1e3:.1f} ms ({problem.describe(found.choices)})"]
-    for mb in layouts_to_try(problem):
-        merged = problem.with_layout(mb)
-        result = search(policy, merged, group)
-        lines.append(f"{mb:g} MiB exchanges ({merged.n_buckets}): {result.predicted_s * 1e3:.1f} ms "
-                     f"({merged.describe(result.choices)})")
+    for layout in layouts_to_try(problem, finer):
+        other = problem.with_layout(layout.exchange_mb, layout.bucket_cap_mb)
+        result = search(policy, other, group)
+        lines.append(f"{layout.describe()} ({other.n_buckets}): {result.predicted_s * 1e3:.1f} ms "
+                     f"({other.describe(result.choices)})")
         if result.predicted_s < found.predicted_s * (1 - LAYOUT_MARGIN) and result.predicted_s < best[1].predicted_s:
-            best = (merged, result)
+            best = (other, result)
     return best[0], best[1], lines
 
 
@@ -195,16 +222,19 @@ def short_list(problem: TuningProblem, found: PolicyResult, top: int, *, diverse
                label: Callable[[int, str], str] | None = None) -> list[Arm]:
     """The search's ``top`` distinct plans as candidate arms, leaving out any that is a baseline.
 
-    ``diverse`` adds the fastest feasible uniform compressed plan: neighbours of one plan tend
-    to share the model's blind spots.  ``label(i, description)`` names the i-th candidate
-    (from 1); by default its description.
+    Under a layout that rebuilds DDP's buckets (``problem.bucket_cap_mb``) a 16-bit cast
+    everywhere is no baseline (those run on the buckets DDP has) and stays; its accuracy is the
+    cast's (:meth:`LazyTrial.judge_arm`).  ``diverse`` adds the fastest feasible uniform
+    compressed plan: neighbours of one plan tend to share the model's blind spots.
+    ``label(i, description)`` names the i-th candidate (from 1); by default its description.
     """
     ranked = list(found.top(top))
     if diverse:
         uniform = [problem.uniform(c)[0] for c in problem.configs if c not in BASELINES]
         uniform = [u for u in uniform if problem.feasible(u[None, :])[0]]
         ranked += [min(uniform, key=lambda u: float(problem.predict(u[None, :])[0]))] if uniform else []
-    seen = {problem.uniform(c)[0].tobytes() for c in problem.baselines()}
+    seen = {problem.uniform(c)[0].tobytes() for c in problem.baselines()
+            if problem.bucket_cap_mb is None or c not in SIXTEEN_BIT_CASTS}
     arms: list[Arm] = []
     for choices in ranked:
         if choices.tobytes() in seen:
@@ -256,7 +286,8 @@ def decide_time_to_accuracy(measured: Sequence[LiveMeasurement], judge: Callable
             break
         arm = judge(decision)
         why_not = "" if arm.accepted else arm.reason
-        if arm.accepted and decision.kind == CANDIDATE:
+        # a cast in another bucket layout learns as the cast does: its step speed-up is the claim
+        if arm.accepted and decision.kind == CANDIDATE and arm.kind != gate.SIXTEEN_BIT:
             tta = time_to_accuracy(decision, arm)
             decision.tta = tta
             if tta is None or not tta.lower() > 1 + min_gain:
@@ -319,6 +350,15 @@ def unprovable(why: str) -> Callable[[Decision], Any]:
     return judge
 
 
+def uniform_cast(arm: Arm) -> str | None:
+    """The 16-bit cast ``arm`` runs on every bucket (a baseline, or one in another bucket layout), else None."""
+    if arm.kind == SIXTEEN_BIT:
+        return arm.label
+    problem = arm.problem
+    labels = {problem.configs[int(c)] for c in np.asarray(arm.choices).reshape(-1)} if problem is not None else set()
+    return next(iter(labels)) if len(labels) == 1 and labels <= set(SIXTEEN_BIT_CASTS) else None
+
+
 def _trial_kind(kind: str) -> str:
     """The accuracy trial's kind of arm for a raced plan's kind: a 16-bit cast is judged as one."""
     return gate.SIXTEEN_BIT if kind == SIXTEEN_BIT else gate.CANDIDATE
@@ -351,8 +391,10 @@ class LazyTrial:
     def judge(self, label: str, plan: Plan, choices, kind: str, description: str,
               problem: TuningProblem | None = None):
         """``plan``'s verdict (``choices`` index ``problem``, by default the trial's); a plan
-        that differs only in its bucket layout compresses alike and keeps the verdict."""
-        key = dataclasses.replace(plan, exchange_mb=None, warmup_steps=0, metadata={}).digest()
+        that differs only in its bucket layout compresses alike and keeps the verdict (the
+        trial's shadow copies run it on their own buckets)."""
+        plan = dataclasses.replace(plan, exchange_mb=None, bucket_cap_mb=None)
+        key = dataclasses.replace(plan, warmup_steps=0, metadata={}).digest()
         if key not in self.arms:
             self.ensure_started()
             self.arms[key] = self.trial.trial(label, plan, kind, description,
@@ -360,7 +402,11 @@ class LazyTrial:
         return self.arms[key]
 
     def judge_arm(self, arm: Arm):
-        """The verdict on a raced arm (a 16-bit cast is judged as one)."""
+        """The verdict on a raced arm; a 16-bit cast everywhere is judged as the cast, in any layout."""
+        cast = uniform_cast(arm)
+        if cast is not None:
+            return self.judge(cast, Plan.uniform(cast, warmup_steps=0), arm.choices, gate.SIXTEEN_BIT,
+                              arm.description, arm.problem)
         return self.judge(arm.label, arm.plan, arm.choices, _trial_kind(arm.kind), arm.description, arm.problem)
 
     def verdicts(self) -> dict[str, Any]:

@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from advisor.perfmodel import Scenario
 from advisor.tuning.steps import LAYOUT_MARGIN, layouts_to_try
 from policies import accuracy_gate as gate
+from policies.baselines import SIXTEEN_BIT
 from policies.evidence import Estimate, time_to_accuracy
-from policies.problem import BASELINES, DEFAULT_REFERENCE, TuningProblem
+from policies.problem import BASELINES, DEFAULT_REFERENCE, TuningProblem, describe_layout
 
 
 @dataclass
@@ -49,9 +50,16 @@ class WhatIfRow:
     efficiency_se: float | None = None
     to_accuracy: float | None = None
     to_accuracy_low: float | None = None
-    #: the bucket layout ``predicted_s`` is for (None: DDP's own buckets) and the time on DDP's own
+    #: the bucket layout ``predicted_s`` is for (both None: DDP's own buckets; see
+    #: :class:`advisor.runtime.Plan`) and the time on DDP's own
     exchange_mb: float | None = None
     ddp_buckets_s: float | None = None
+    bucket_cap_mb: float | None = None
+
+    @property
+    def layout(self) -> str:
+        """`` in 16 MiB exchanges`` / `` with DDP's buckets at 1 MiB``, or "" on DDP's own buckets."""
+        return describe_layout(self.exchange_mb, self.bucket_cap_mb, " ")
 
 
 @dataclass
@@ -124,24 +132,26 @@ def what_if(profile, scenario: Scenario | None = None, *, budget: float | None =
     candidates = [c for c in candidates if c not in unknown]
     problem = TuningProblem.from_profile(profile, candidates, scenario=scenario, **kwargs)
     trialled = _uniform_arms(accuracy)
-    # a compressor may run faster with DDP's buckets exchanged together (as autotune searches);
-    # the baselines stay what they are: DDP's own buckets
-    layouts = [problem.with_layout(mb) for mb in layouts_to_try(problem)]
+    # a compressor may run faster with DDP's buckets exchanged together or made smaller (as
+    # autotune searches); fp32 stays native DDP on its own buckets, and a 16-bit cast may take
+    # smaller buckets only (joining them is a compressed plan's trade)
+    layouts = [problem.with_layout(layout.exchange_mb, layout.bucket_cap_mb) for layout in layouts_to_try(problem)]
     rows = []
     for c in problem.configs:
         u = problem.uniform(c)
         arm = trialled.get(c)
         ddp_s = float(problem.predict(u)[0])
-        seconds, exchange_mb = ddp_s, None
-        for merged in layouts if c not in BASELINES else []:
-            merged_s = float(merged.predict(merged.uniform(c))[0])
-            if merged_s < ddp_s * (1 - LAYOUT_MARGIN) and merged_s < seconds:
-                seconds, exchange_mb = merged_s, merged.exchange_mb
+        seconds, exchange_mb, bucket_cap_mb = ddp_s, None, None
+        allowed = [] if c == "none" else [m for m in layouts if c not in SIXTEEN_BIT or m.bucket_cap_mb is not None]
+        for other in allowed:
+            other_s = float(other.predict(other.uniform(c))[0])
+            if other_s < ddp_s * (1 - LAYOUT_MARGIN) and other_s < seconds:
+                seconds, exchange_mb, bucket_cap_mb = other_s, other.exchange_mb, other.bucket_cap_mb
         rows.append(WhatIfRow(c, seconds, float(problem.fidelity_error(u)[0]),
                               bool(problem.feasible(u)[0]), trial=arm.status if arm is not None else "",
                               efficiency=arm.efficiency if arm is not None else None,
                               efficiency_se=arm.efficiency_se if arm is not None else None,
-                              exchange_mb=exchange_mb, ddp_buckets_s=ddp_s))
+                              exchange_mb=exchange_mb, ddp_buckets_s=ddp_s, bucket_cap_mb=bucket_cap_mb))
     rows.sort(key=lambda r: r.predicted_s)
     baselines = [r for r in rows if r.config in BASELINES]
     # a baseline's time to accuracy: its step over its efficiency (1 where it was not trialled)
@@ -158,9 +168,8 @@ def what_if(profile, scenario: Scenario | None = None, *, budget: float | None =
     checked = best.config in accepted or best.config == "none"
     if proven:
         advice = max(proven, key=lambda r: r.to_accuracy)
-        layout = f" in {advice.exchange_mb:g} MiB exchanges" if advice.exchange_mb is not None else ""
-        verdict = (f"compress with {advice.config}{layout}: to the same accuracy {advice.to_accuracy:.2f}x sooner than "
-                   f"{base.config} (at least {advice.to_accuracy_low:.2f}x: predicted "
+        verdict = (f"compress with {advice.config}{advice.layout}: to the same accuracy {advice.to_accuracy:.2f}x sooner than "
+                   f"{base.config}{base.layout} (at least {advice.to_accuracy_low:.2f}x: predicted "
                    f"{base.predicted_s / advice.predicted_s:.2f}x per step, step efficiency {advice.efficiency:.2f} "
                    f"in the accuracy trial), within the fidelity budget ({source})")
     elif best.config not in BASELINES and best.predicted_s < base.predicted_s:
@@ -175,11 +184,13 @@ def what_if(profile, scenario: Scenario | None = None, *, budget: float | None =
             why = f"the accuracy trial found it {best.trial}"
         else:
             why = "no trial has checked its accuracy; prove it with `advisor validate` or autotune on the cluster"
-        verdict = (f"do not compress: {best.config} is predicted {step:.2f}x faster per step than {base.config}, "
-                   f"within the fidelity budget ({source}), but {why}; the advice is {base.config}")
+        verdict = (f"do not compress: {best.config}{best.layout} is predicted {step:.2f}x faster per step than "
+                   f"{base.config}{base.layout}, within the fidelity budget ({source}), but {why}; the advice is "
+                   f"{base.config}{base.layout}")
     else:
         advice = base
-        verdict = f"do not compress: {base.config} is the fastest predicted plan within the fidelity budget ({source})"
+        verdict = (f"do not compress: {base.config}{base.layout} is the fastest predicted plan within the fidelity "
+                   f"budget ({source})")
     if faster_over:
         verdict += f"; faster but over the budget: {', '.join(faster_over)}"
     if unknown:
