@@ -451,12 +451,13 @@ def warn_if_buckets_differ(ddp_model: DistributedDataParallel, plan: Plan) -> No
     it runs, but not at the speed it was measured at (only DDP can make its buckets smaller)."""
     if plan.bucket_cap_mb is None:
         return
-    built_mb = getattr(ddp_model, "bucket_bytes_cap", 0) / (1 << 20)
+    built = getattr(ddp_model, "bucket_bytes_cap", 0)
+    built_mb = built / (1 << 20)
     explicit = not getattr(ddp_model, "bucket_bytes_cap_default", False)
-    if explicit and abs(built_mb - plan.bucket_cap_mb) <= 1e-9 * plan.bucket_cap_mb:
+    if explicit and built == int(plan.bucket_cap_mb * (1 << 20)):  # DDP's own rounding of the cap
         return
     warnings.warn(f"the plan was tuned for DDP built with bucket_cap_mb={plan.bucket_cap_mb:g}, this DDP model "
-                  f"has {'the default ' if not explicit else ''}{built_mb:g} MiB buckets: the plan runs, but not "
+                  f"has {'the default ' if not explicit else ''}{built_mb:.4g} MiB buckets: the plan runs, but not "
                   f"at the speed it was measured at. Build DDP with advisor.ddp_for(module, plan) (or "
                   f"DistributedDataParallel(module, bucket_cap_mb={plan.bucket_cap_mb:g}))", stacklevel=3)
 
