@@ -321,3 +321,31 @@ def powersgd_runs(rank: int, world_size: int, directory: str):
     return {"one sample": powersgd_sharded(rank, world_size, 1, 6),
             "full batches, no error feedback": powersgd_sharded(rank, world_size, 16, 8, False),
             "resume": resume_powersgd(rank, world_size, directory)}
+
+
+def retrialled_sharded(rank: int, world_size: int, labels: list[str], steps: int, lr: float = 0.1):
+    """wrap_sharded given each plan in turn, re-trialled once training pays for it (retrial_share=1, the
+    gate's budget 6% of a 2,000-step run): its events, re-trials, the plan it ends with and the comms."""
+    import advisor
+    from advisor.runtime import Plan
+    from advisor.runtime.sharded import sharded_groups
+
+    out = {}
+    for label in labels:
+        model = _wide_sharded()
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        batches = _teacher_batches(rank, 64)
+        tuner = advisor.wrap_sharded(model, opt, plan=Plan.uniform(label, warmup_steps=0), loss_fn=_cross_entropy,
+                                     batches=batches[32:], held_out=_teacher_batches(rank, 32, seed=7),
+                                     build=_wide_sharded, retrial_share=1.0, expected_steps=2000, trial_share=0.06)
+        for i in range(steps):
+            opt.zero_grad()
+            _cross_entropy(model, batches[i % 32]).backward()
+            opt.step()
+        tuner.close()
+        out[label] = {"events": [(e.step, e.what, e.detail) for e in tuner.events],
+                      "retrials": [(step, arm.gap, arm.status) for step, _, arm in tuner.retrials],
+                      "plan": tuner.plan.to_dict(),
+                      "comms": sorted({type(m._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm).__name__
+                                       for _, m, _ in sharded_groups(model)})}
+    return out

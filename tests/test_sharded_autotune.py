@@ -126,3 +126,24 @@ def test_wrap_sharded_with_the_gate_races_compressed_plans_and_needs_all_of_its_
     if any(c.name in ("intquant", "powersgd") for c in plan.configs()):
         assert a["accuracy"] and "accuracy:" in decided  # a compressed plan only with the trial's proof
     assert all("needs loss_fn, batches and build together" in r["refused"] for r in out)
+
+
+def test_wrap_sharded_re_trials_a_compressed_plan_and_backs_off_only_the_one_that_falls_behind():
+    out = launch_local(sp.retrialled_sharded, 2, (["powersgd(rank=1, no-ef)", "intquant(bits=8)", "bf16"], 130, 0.02),
+                       timeout=600)
+    a, b = out
+    for label in a:
+        assert [e[:2] for e in a[label]["events"]] == [e[:2] for e in b[label]["events"]], label
+        assert a[label]["plan"] == b[label]["plan"], label
+    harmful, fine, cast = (a[label] for label in ("powersgd(rank=1, no-ef)", "intquant(bits=8)", "bf16"))
+    # the first re-trial comes once 120 steps (6% of 2,000 over a 100% share) have paid for it
+    (step, gap, status), = harmful["retrials"]
+    assert step == 120 and status == "rejected" and gap > 0.01, harmful["events"]
+    back_off = next(d for _, w, d in harmful["events"] if w == "back-off")
+    assert "-> fp16 everywhere" in back_off and "behind fp32" in back_off
+    assert Plan.from_dict(harmful["plan"]).default.label == "fp16"  # SGD's cast, from PowerSGD
+    assert not any("PowerSGD" in c for c in harmful["comms"])
+    # intquant(bits=8) keeps up: re-trialled, no harm shown, kept
+    assert [s for _, _, s in fine["retrials"]] in (["accepted"], ["not proven"]), fine["events"]
+    assert "back-off" not in [w for _, w, _ in fine["events"]] and fine["plan"]["default"]["name"] == "intquant"
+    assert cast["retrials"] == [] and "not re-trialled" in cast["events"][0][2]  # a cast is a baseline

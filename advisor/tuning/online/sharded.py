@@ -17,31 +17,39 @@ Driven from the model's forward calls, which every rank makes at the same step:
    plans take turns on the loop's steps in interleaved rounds (the DDP tuner's
    :class:`~advisor.tuning.online.trial.Race`, each plan switched in by
    :class:`advisor.runtime.sharded.ShardedSwitch`), paired and stopped once decided;
-4. **decide** (:func:`advisor.tuning.steps.decide_time_to_accuracy`) and keep the plan.
+4. **decide** (:func:`advisor.tuning.steps.decide_time_to_accuracy`) and keep the plan;
+5. **re-trial** a compressed plan kept, where the gate has its data: the paired trial again from
+   the current weights on fresh shadows, as often as ``retrial_share`` of the training time
+   pays for (:class:`~advisor.tuning.online.watch.RetrialClock`, as :func:`advisor.wrap`
+   schedules its own); one that has fallen behind fp32 beyond the tolerance backs off on every
+   rank to the 16-bit cast that raced, else to FSDP's own reduce-scatter, and an event says so
+   with the numbers.
 
 Without ``loss_fn``, ``batches`` and ``build`` there is no accuracy evidence: only the baselines
 race (the compressed plans are left out, and an event says so).  With them, the plan that wins
 on speed must pass the paired accuracy trial on shadows from ``build()``
 (:func:`advisor.tuning.sharded.sharded_shadows`), as in :func:`advisor.autotune_sharded`.
-Unlike :func:`advisor.wrap`, nothing watches the plan afterwards yet (no fidelity monitor, no
-re-trials).
+Unlike :func:`advisor.wrap`, no fidelity monitor or loss watch follows the plan: the re-trials
+are the check.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from advisor.core.documents import check_int
 from advisor.runtime import Plan
+from advisor.runtime.plan import as_plan
 from advisor.runtime.sharded import SHARDED_CONFIGS, ShardedSwitch
 from advisor.tuning.accuracy import AccuracyTrial, check_evaluate
 from advisor.tuning.online.trial import Race
 from advisor.tuning.online.tuner import TunerEvent
+from advisor.tuning.online.watch import RetrialClock, check_retrial_share, first_retrial_in, harm_shown, is_lossy
 from advisor.tuning.sharded import (
     NATIVE,
     keep_fsdp_unless_exact_is_faster,
@@ -58,9 +66,10 @@ from advisor.tuning.steps import (
     unprovable,
 )
 from policies import accuracy_gate as gate
-from policies.do_no_harm import CANDIDATE
+from policies.do_no_harm import CANDIDATE, SIXTEEN_BIT
 from policies.sharded import ShardedProblem, search_sharded
 from profilers.sharded import RowCapture, ShardedProfile, check_sharded_configs
+from profilers.training_state import preferred_sixteen_bit
 
 OBSERVE, RACE, DECIDED = "observe", "race", "decided"
 
@@ -84,8 +93,11 @@ class ShardedOnlineTuner:
                  top: int = 2, repeats: int = 2, loss_fn=None, batches: Iterable[Any] | None = None,
                  build: Callable[[], torch.nn.Module] | None = None, evaluate=None, held_out=None,
                  metric: str = "loss", expected_steps: int | None = None, trial_share: float = DEFAULT_TRIAL_SHARE,
-                 trial_s: float | None = None, tolerance: float = gate.DEFAULT_TOLERANCE, group=None) -> None:
+                 trial_s: float | None = None, tolerance: float = gate.DEFAULT_TOLERANCE,
+                 retrial_share: float | None = 0.03, plan: Plan | Mapping[str, Any] | str | None = None,
+                 group=None) -> None:
         self.labels = check_sharded_configs(candidates)
+        check_retrial_share(retrial_share)
         for name, value, minimum in (("observe_steps", observe_steps, 2), ("trial_steps", trial_steps, 1),
                                      ("trial_rounds", trial_rounds, 2), ("top", top, 1), ("repeats", repeats, 1)):
             check_int(name, value, minimum)
@@ -115,11 +127,32 @@ class ShardedOnlineTuner:
         self.decision = None
         self.accuracy = None
         self.plan = Plan.uniform("none", warmup_steps=0)
+        self._retrial_share = retrial_share
+        self._retrials: RetrialClock | None = None
+        #: (step, plan digest, ArmResult) of every re-trial of the plan in use
+        self.retrials: list = []
         self._capture = RowCapture(model)
         self._starts: list[float] = []
         self._race: Race | None = None
         self._problem: ShardedProblem | None = None
-        self._handle = model.register_forward_pre_hook(self._on_forward)
+        self._arms: dict = {}
+        if plan is not None:
+            self._keep_given(as_plan(plan))
+        # before FSDP's own pre-forward (which FSDP prepends): a trial at a step's start copies the model's
+        # state and runs shadows, which must find the root's parameters sharded, as between steps
+        self._handle = model.register_forward_pre_hook(self._on_forward, prepend=True)
+
+    def _keep_given(self, plan: Plan) -> None:
+        """A plan the user chose: installed now (every rank must hold the same), then only re-trialled."""
+        self.switch.set(plan)
+        self.plan, self.phase = plan, DECIDED
+        self._note("given", f"the given plan ({plan.digest()}) installed; "
+                   + (f"re-trialled as training pays for it at retrial_share={self._retrial_share:g}"
+                      if self._gate is not None and self._retrial_share is not None and is_lossy(plan) else
+                      "not re-trialled (it needs loss_fn, batches and build, a compressed plan and retrial_share)"))
+        if self._gate is not None and self._retrial_share is not None and is_lossy(plan):
+            self._retrials = RetrialClock(first_retrial_in(self._gate, None, self._retrial_share),
+                                          self._retrial_share, self.group)
 
     def record_loss(self, loss) -> None:
         """Accepted for the loops that report losses to :func:`advisor.wrap`; no loss watch follows here yet."""
@@ -142,6 +175,8 @@ class ShardedOnlineTuner:
             self._observe(now)
         elif self.phase == RACE and self._race.step_starts(now):
             self._decide()
+        elif self.phase == DECIDED and self._retrials is not None and self._retrials.due(self.step):
+            self._retrial(now)
         self.step += 1
 
     def _note(self, what: str, detail: str) -> None:
@@ -190,6 +225,49 @@ class ShardedOnlineTuner:
             self.switch.set(self.plan)
         self.phase = DECIDED
         self._note("decided", f"{decision.reason} (race {self._race.ended})")
+        if self._gate is not None and self._retrial_share is not None and is_lossy(self.plan):
+            at = self.step + first_retrial_in(self._gate, self.accuracy.steps if self.accuracy else None,
+                                              self._retrial_share)
+            self._retrials = RetrialClock(at, self._retrial_share, self.group)
+
+    def _retrial(self, started: float) -> None:
+        """The paired trial again from the current weights: fp32 twice and the plan in use (judged even
+        unpowered); where it shows the plan behind beyond the tolerance, back off on every rank."""
+        args = dict(self._gate)
+        loss_fn, batches, build = args.pop("loss_fn"), args.pop("batches"), args.pop("build")
+        trial = AccuracyTrial(self.model, loss_fn, batches, self.optimizer, group=self.group, arms_expected=3,
+                              judge_unpowered=True, shadows=sharded_shadows(self.model, self.optimizer, build,
+                                                                            self.group), **args)
+        trial.start()
+        plan = self.plan
+        arm = trial.trial("the plan in use", plan, gate.CANDIDATE, f"the plan in use ({plan.digest()})")
+        report = trial.report()
+        self.retrials.append((self.step, plan.digest(), arm))
+        low = harm_shown(arm, report)
+        cost_s = self._retrials.ran(self.step, started)
+        self._note("re-trial", f"{arm.reason} (from the weights at step {self.step}; {cost_s:.1f} s, next at step "
+                               f"{self._retrials.at})")
+        if low is None:
+            return
+        self.plan, softer = self._softer()
+        if self.plan.default.name == "none" and not self.plan.groups:
+            self.switch.restore()  # FSDP's own path
+        else:
+            self.switch.set(self.plan)
+        self._retrials = None  # a baseline is not re-trialled
+        self._note("back-off", f"{plan.digest()} -> {softer} on every group (the re-trial showed it {arm.gap:+.2%} "
+                               f"behind fp32, at least {low:+.2%})")
+
+    def _softer(self) -> tuple[Plan, str]:
+        """Where a compressed plan backs off to: the 16-bit cast that raced, else the optimizer's among the
+        candidates, else FSDP's own fp32 reduce-scatter."""
+        raced = next((a for a in self._arms.values() if a.kind == SIXTEEN_BIT), None)
+        if raced is not None:
+            return raced.plan, raced.description
+        cast = preferred_sixteen_bit(self.optimizer)
+        if cast in self.labels:
+            return Plan.uniform(cast, warmup_steps=0), f"{cast} everywhere"
+        return Plan.uniform("none", warmup_steps=0), "FSDP's own fp32 reduce-scatter"
 
     def _judge(self):
         """The paired trial from the current weights on shadows, started when a plan other than fp32 wins."""
@@ -223,11 +301,13 @@ def wrap_sharded(model: torch.nn.Module, optimizer=None, **kwargs) -> ShardedOnl
         **kwargs: ``candidates``, ``observe_steps``, ``trial_steps``, ``trial_rounds``,
             ``max_trial_rounds``, ``top``, and for the accuracy gate ``loss_fn``, ``batches``,
             ``build``, ``evaluate``, ``held_out``, ``metric``, ``expected_steps``,
-            ``trial_share``, ``trial_s``, ``tolerance``.
+            ``trial_share``, ``trial_s``, ``tolerance``, ``retrial_share`` (the share of the
+            training time re-trials of a compressed plan may take; None: none), and ``plan``
+            (a plan of your own: installed at once instead of the race, then re-trialled).
 
     Returns:
         The :class:`ShardedOnlineTuner`: ``tuner.events``, ``tuner.plan`` (in use once
-        ``tuner.phase == "decided"``), ``tuner.measured``, ``tuner.decision``.
+        ``tuner.phase == "decided"``), ``tuner.measured``, ``tuner.decision``, ``tuner.retrials``.
 
     Raises:
         TypeError: FSDP1, or a model without ``fully_shard``.

@@ -82,7 +82,14 @@ from advisor.runtime.monitor import DEFAULT_SAMPLE, DEFAULT_WINDOW, FidelityMoni
 from advisor.tuning.accuracy import AccuracyTrial, check_evaluate
 from advisor.tuning.online.observe import Observation
 from advisor.tuning.online.trial import Race
-from advisor.tuning.online.watch import MAX_PROOF_ATTEMPTS, PendingProof, Watch, is_lossy
+from advisor.tuning.online.watch import (
+    MAX_PROOF_ATTEMPTS,
+    PendingProof,
+    Watch,
+    check_retrial_share,
+    first_retrial_in,
+    is_lossy,
+)
 from advisor.tuning.steps import (
     DEFAULT_CANDIDATES,
     DEFAULT_TRIAL_SHARE,
@@ -394,14 +401,11 @@ class OnlineTuner:
             monitor = FidelityMonitor(self.hook, parameters, group=self.group, **self._fidelity_settings)
         retrial = {}
         if self._gate_args is not None and self._retrial_share is not None:
-            # the first re-trial once training has paid for one: the gate's step budget over its arms,
-            # else three arms of the first trial's length (or of twice the shortest proof)
-            steps = self._gate_args.get("budget_steps") or 3 * (
-                self.accuracy.steps if self.accuracy is not None else 2 * gate.MIN_PROOF_STEPS)
+            at = self.step + first_retrial_in(self._gate_args, self.accuracy.steps if self.accuracy else None,
+                                              self._retrial_share)
             if proof is not None:  # a proof's fp32 pair and plan
-                steps = 3 * proof.arm_steps
-            retrial = dict(retrial=self._retrial, retrial_share=self._retrial_share,
-                           retrial_at=self.step + math.ceil(steps / self._retrial_share), proof=proof,
+                at = self.step + math.ceil(3 * proof.arm_steps / self._retrial_share)
+            retrial = dict(retrial=self._retrial, retrial_share=self._retrial_share, retrial_at=at, proof=proof,
                            prove=self._prove)
         return Watch(self.ddp, self.hook, self.candidates, losses=self.losses, note=self._note, group=self.group,
                      monitor=monitor, **retrial, **self._watch_settings, **where)
@@ -492,9 +496,7 @@ def _check_arguments(ddp, optimizer, observe_steps, trial_steps, top, trials, wa
     check_int("fidelity_window", fidelity_window, 2)
     if not (isinstance(fidelity_drift, (int, float)) and fidelity_drift > 1):
         raise ValueError(f"fidelity_drift={fidelity_drift!r}; allowed: > 1 (times the plan's first window error)")
-    if retrial_share is not None and not (isinstance(retrial_share, (int, float)) and 0 < retrial_share <= 1):
-        raise ValueError(f"retrial_share={retrial_share!r}; allowed: 0 < retrial_share <= 1 (of the training time), "
-                         "or None for no re-trials")
+    check_retrial_share(retrial_share)
 
 
 def _check_installed(ddp, hook, plan, trend_steps) -> None:

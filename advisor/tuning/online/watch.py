@@ -64,6 +64,57 @@ class PendingProof:
     attempts: int = 0
 
 
+def check_retrial_share(retrial_share) -> None:
+    """Refuse a share of the training time for re-trials that is not in (0, 1] or None."""
+    if retrial_share is not None and not (isinstance(retrial_share, (int, float)) and 0 < retrial_share <= 1):
+        raise ValueError(f"retrial_share={retrial_share!r}; allowed: 0 < retrial_share <= 1 (of the training time), "
+                         "or None for no re-trials")
+
+
+def first_retrial_in(gate_args: dict, trial_steps: int | None, share: float) -> int:
+    """Steps until the first re-trial: once training has paid for one at ``share`` of its time (the gate's
+    step budget over its arms, else three arms of the first trial's length or of twice the shortest proof)."""
+    steps = gate_args.get("budget_steps") or 3 * (trial_steps or 2 * gate.MIN_PROOF_STEPS)
+    return math.ceil(steps / share)
+
+
+class RetrialClock:
+    """When the next paired re-trial is due: at step ``at``, then once training has run long enough
+    since the last one that its cost is ``share`` of the training time.  Every rank holds the same
+    schedule (the cost and step time are agreed: the slowest rank's)."""
+
+    def __init__(self, at: int, share: float, group=None) -> None:
+        self.at, self.share, self.group = at, share, group
+        self._clock: float | None = None
+        self._trained_s, self._trained_steps = 0.0, 0
+
+    def due(self, step: int) -> bool:
+        """Call at the start of every step: counts the training time, and says whether one is due now."""
+        now = time.perf_counter()
+        if self._clock is not None:
+            self._trained_s, self._trained_steps = self._trained_s + now - self._clock, self._trained_steps + 1
+        self._clock = now
+        return step >= self.at
+
+    def ran(self, step: int, started: float) -> float:
+        """One ran from ``started`` (a ``perf_counter`` time) at ``step``: schedule the next; its cost in seconds."""
+        cost_s, step_s = slowest([time.perf_counter() - started, self._trained_s / max(1, self._trained_steps)],
+                                 self.group)
+        self.at = step + max(1, math.ceil(cost_s / (self.share * max(step_s, 1e-9))))
+        self._trained_s, self._trained_steps, self._clock = 0.0, 0, time.perf_counter()
+        return cost_s
+
+
+def harm_shown(arm, report) -> float | None:
+    """The 95% lower bound of a re-trialled plan's gap behind fp32 where it lies beyond the tolerance, else None."""
+    if arm.gap is None:
+        return None
+    if not math.isfinite(arm.gap):
+        return math.inf
+    low = arm.gap - one_sided_z() * report.se
+    return low if low > report.tolerance else None
+
+
 def is_lossy(plan: Plan) -> bool:
     """Whether the plan uses a config beyond the baselines: the loss watch follows those."""
     return any(c.label not in BASELINES for c in plan.configs())
@@ -118,12 +169,11 @@ class Watch:
         self._fidelity_strikes = 0
         #: configs each parameter has backed off from (never chosen again for it)
         self._left: dict[str, set[str]] = {}
-        self.retrial, self.retrial_share, self._retrial_at = retrial, retrial_share, retrial_at
+        self.retrial, self.retrial_share = retrial, retrial_share
+        self._retrial_clock = RetrialClock(retrial_at, retrial_share, group)
         #: (step, plan digest, ArmResult) of every re-trial and online proof
         self.retrials: list = []
         self.proof, self.prove = (proof, prove) if retrial is not None else (None, None)
-        self._clock: float | None = None
-        self._trained_s, self._trained_steps = 0.0, 0
         self.every, self.backoff, self.loss_z = every, backoff, loss_z
         self.losses, self.note = losses, note
         self.world = world_size(group)
@@ -146,7 +196,7 @@ class Watch:
     @property
     def next_trial_at(self) -> int:
         """The step of the next re-trial or online proof (where the watch has the accuracy gate's data)."""
-        return self._retrial_at
+        return self._retrial_clock.at
 
     def step_starts(self, step: int) -> None:
         if self._pending is not None and step == self._pending_at:
@@ -201,10 +251,7 @@ class Watch:
     def _maybe_retrial(self, step: int) -> None:
         """At the scheduled step (the same on every rank), prove the pending plan or re-trial the plan in use."""
         now = time.perf_counter()
-        if self._clock is not None:
-            self._trained_s, self._trained_steps = self._trained_s + now - self._clock, self._trained_steps + 1
-        self._clock = now
-        if step < self._retrial_at:
+        if not self._retrial_clock.due(step):
             return
         if self.proof is not None:
             what, detail, then = "proof", *self._prove(step)
@@ -212,11 +259,9 @@ class Watch:
             what, detail, then = "re-trial", *self._retrial(step)
         else:
             return
-        cost_s, step_s = slowest([time.perf_counter() - now, self._trained_s / max(1, self._trained_steps)], self.group)
-        # the next one once training has run long enough that this one's cost is its share
-        self._retrial_at = step + max(1, math.ceil(cost_s / (self.retrial_share * max(step_s, 1e-9))))
-        self._trained_s, self._trained_steps, self._clock = 0.0, 0, time.perf_counter()
-        self.note(what, f"{detail} (from the weights at step {step}; {cost_s:.1f} s, next at step {self._retrial_at})")
+        cost_s = self._retrial_clock.ran(step, now)
+        self.note(what, f"{detail} (from the weights at step {step}; {cost_s:.1f} s, next at step "
+                        f"{self._retrial_clock.at})")
         if then is not None:
             then()
 
@@ -225,8 +270,8 @@ class Watch:
         plan = self.plan
         arm, report = self.retrial(plan)
         self.retrials.append((step, plan.digest(), arm))
-        low = arm.gap - one_sided_z() * report.se if arm.gap is not None else None
-        if not (arm.gap is not None and (not math.isfinite(arm.gap) or low > report.tolerance)):
+        low = harm_shown(arm, report)
+        if low is None:
             return arm.reason, None
         params = [n for n, _ in self.ddp.module.named_parameters()]
         moves = {n: (0.0, 1.0) for n in params if plan.config_for(n).name != "none"}
