@@ -174,9 +174,11 @@ def autotune(
         residual_model: a fitted :class:`policies.learned.ResidualModel` (or the path of a
             measurement set) that corrects predictions when ranking.
         measurements_path: append this run's live measurements to that measurement set file.
-        search_layout: also search coarser bucket layouts (DDP's buckets exchanged together,
-            ``Plan.exchange_mb``); the result's ``bucket_cap_mb`` then says how to build DDP
-            for it without the hook's extra copy (:func:`advisor.ddp_for`).
+        search_layout: also search other bucket layouts: DDP's buckets exchanged together
+            (``Plan.exchange_mb``), or DDP built with smaller ones (``Plan.bucket_cap_mb``,
+            measured on a shadow DDP built so); the result's ``bucket_cap_mb`` then says how
+            to build DDP for the advice (:func:`advisor.ddp_for`).  A layout the model cannot
+            tell from the chosen one (within 3%) races its best plan too.
 
     Returns:
         A :class:`TunedResult`: the :class:`AutotuneResult` document (``result.to_json()``,
@@ -231,18 +233,21 @@ def autotune(
     # 2. search (rank 0)
     say(f"searching plans ({chosen_policy.name})")
     found = search(chosen_policy, problem, group)
-    # and under coarser bucket layouts, where merging DDP's buckets into fewer exchanges pays
-    layout_problem, layout_found, layout_lines = (search_layouts(chosen_policy, problem, found, group)
-                                                  if search_layout else (problem, found, []))
+    # and under other bucket layouts: DDP's buckets joined into fewer exchanges, or DDP built with smaller ones
+    layout_problem, layout_found, layout_lines, close = (search_layouts(chosen_policy, problem, found, group)
+                                                         if search_layout else (problem, found, [], []))
     for line in layout_lines:
         say(f"bucket layout: {line}")
     t_searched = time.perf_counter()
 
     # 3. short-list: the search's best, a diverse uniform plan, and the baselines (on DDP's own
-    # buckets); where a coarser layout won, DDP's own buckets' best plan races beside its plans
+    # buckets); where another layout won, DDP's own buckets' best plan races beside its plans, and
+    # the best plan of the layout the model could not tell apart from the chosen one races too
     candidates = short_list(layout_problem, layout_found, top, diverse=True)
     if layout_problem is not problem:
         candidates += short_list(problem, found, 1)
+    for other, other_found in close[:1]:
+        candidates += short_list(other, other_found, 1)
     arms = {arm.label: arm for arm in baseline_arms(problem, sixteen)
             + [dataclasses.replace(arm, label=f"candidate {i}") for i, arm in enumerate(candidates, 1)]}
 

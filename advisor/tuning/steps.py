@@ -16,7 +16,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -176,24 +176,40 @@ def layouts_to_try(problem: TuningProblem, finer: bool = True) -> list[Layout]:
     return out
 
 
+class LayoutSearch(NamedTuple):
+    """:func:`search_layouts`' answer: the layout to race (``problem``, its search ``found``), a line
+    per layout tried, and the other layouts whose best plan the model cannot tell from the chosen one
+    (within :data:`LAYOUT_MARGIN`): ``[(problem, found), ...]``, for the race to settle."""
+
+    problem: TuningProblem
+    found: PolicyResult
+    lines: list[str]
+    close: list[tuple[TuningProblem, PolicyResult]]
+
+
 def search_layouts(policy: Policy, problem: TuningProblem, found: PolicyResult, group=None, *,
-                   finer: bool = True) -> tuple[TuningProblem, PolicyResult, list[str]]:
+                   finer: bool = True) -> LayoutSearch:
     """The search again under each other bucket layout (``problem`` has DDP's own); the layout
-    whose best plan is predicted fastest, by :data:`LAYOUT_MARGIN` over DDP's buckets, and a
-    line per layout tried.  ``finer=False`` leaves out layouts only a rebuilt DDP has (a tuner
-    that measures on the user's own DDP model cannot run them)."""
+    whose best plan is predicted fastest, by :data:`LAYOUT_MARGIN` over DDP's buckets, the others
+    predicted as fast within that margin, and a line per layout tried.  ``finer=False`` leaves out
+    layouts only a rebuilt DDP has (a tuner that measures on the user's own DDP model cannot run them)."""
     if problem.model.layout != (None, None):
         raise ValueError("search_layouts starts from DDP's own buckets (a problem without a layout)")
     best = (problem, found)
+    tried = []
     lines = [f"DDP's {problem.n_buckets} buckets: {found.predicted_s * 1e3:.1f} ms ({problem.describe(found.choices)})"]
     for layout in layouts_to_try(problem, finer):
         other = problem.with_layout(layout.exchange_mb, layout.bucket_cap_mb)
         result = search(policy, other, group)
+        tried.append((other, result))
         lines.append(f"{layout.describe()} ({other.n_buckets}): {result.predicted_s * 1e3:.1f} ms "
                      f"({other.describe(result.choices)})")
         if result.predicted_s < found.predicted_s * (1 - LAYOUT_MARGIN) and result.predicted_s < best[1].predicted_s:
             best = (other, result)
-    return best[0], best[1], lines
+    bar = best[1].predicted_s * (1 + LAYOUT_MARGIN)
+    close = sorted(((p, r) for p, r in tried if p is not best[0] and r.predicted_s <= bar),
+                   key=lambda pr: pr[1].predicted_s)
+    return LayoutSearch(best[0], best[1], lines, close)
 
 
 # --- 3. short-list ------------------------------------------------------------------------

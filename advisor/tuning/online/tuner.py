@@ -302,7 +302,7 @@ class OnlineTuner:
         policy = OptunaPolicy(n_trials=self.trials)
         found = search(policy, problem, self.group)
         # and under coarser bucket layouts; where one wins, DDP's own buckets' best races beside it
-        layout_problem, layout_found, _ = search_layouts(policy, problem, found, self.group, finer=False)
+        layout_problem, layout_found, _, _ = search_layouts(policy, problem, found, self.group, finer=False)
         arms = baseline_arms(problem, sixteen_bit_baseline(problem, self.optimizer))
         candidates = short_list(layout_problem, layout_found, self.top)
         if layout_problem is not problem:
