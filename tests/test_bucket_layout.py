@@ -160,3 +160,19 @@ def test_a_layout_the_model_cannot_tell_from_the_chosen_one_is_named_for_the_rac
     # where the join wins by more than the margin, nothing is left close (DDP's own races beside it anyway)
     problem = TuningProblem.from_profile(small_buckets(), budget=0.35)
     assert search_layouts(GreedyPolicy(), problem, search(GreedyPolicy(), problem)).close == []
+
+
+def test_the_report_tells_how_to_build_ddp_for_an_advice_in_smaller_buckets():
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from advisor.report.results import render_layouts
+
+    console = Console(record=True, width=200)
+    render_layouts(SimpleNamespace(layouts=["DDP's 2 buckets: 10.0 ms (fp16 everywhere)",
+                                            "DDP's buckets at 1 MiB (6): 8.0 ms (fp16 everywhere, with DDP's buckets "
+                                            "at 1 MiB)"], exchange_mb=None, bucket_cap_mb=1.0), console)
+    text = " ".join(console.export_text().split())
+    assert "DDP's buckets at 1 MiB, smaller than the ones this DDP model was built with" in text
+    assert "bucket_cap_mb=1 (advisor.ddp_for(module, result))" in text
