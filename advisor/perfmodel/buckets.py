@@ -42,18 +42,8 @@ def buckets_for_cap(parameters: Sequence[Any], bucket_cap_mb: float) -> list[Bui
     # DDP's own assignment function, so that the model's buckets are DDP's by construction; it
     # reads only each tensor's size and type, which meta tensors give without memory
     tensors = [torch.empty(parameters[i].numel, device="meta") for i in order]
-    assign = getattr(dist, "_compute_bucket_assignment_by_size", None)
-    if assign is not None:
-        groups, _ = assign(tensors, [cap], [False] * len(tensors), list(range(len(tensors))))
-    else:  # a build without distributed support: the same greedy fill
-        groups, held, size = [], [], 0
-        for i, t in enumerate(tensors):
-            held.append(i)
-            size += t.numel() * t.element_size()
-            if size >= cap:
-                groups.append(held)
-                held, size = [], 0
-        groups += [held] if held else []
+    groups, _ = dist._compute_bucket_assignment_by_size(tensors, [cap], [False] * len(tensors),
+                                                         list(range(len(tensors))))
     # DDP keeps buckets in the order their first gradient is ready
     groups = sorted(groups, key=min)
     return [BuiltBucket(index=b, parameters=[parameters[order[i]].name for i in group],

@@ -45,7 +45,7 @@ from advisor.compressors import Collective, SegmentLayout, parse
 from advisor.compressors.registry import CompressorConfig
 from advisor.perfmodel.buckets import buckets_for_cap
 from advisor.perfmodel.timeline import BucketSpan, Timeline
-from advisor.runtime.plan import Plan, check_exchange_mb, exchange_groups
+from advisor.runtime.plan import Plan, check_layout_mb, exchange_groups
 
 
 @dataclass(frozen=True)
@@ -204,11 +204,11 @@ class PerformanceModel:
         self.cpu_interference = str(profile.environment.device).startswith("cpu")
         ready = {p.name: p.ready_s / speed for p in compute.parameters}
         shapes = {p.name: tuple(p.shape) for p in compute.parameters}
-        self.bucket_cap_mb = check_exchange_mb(bucket_cap_mb, "bucket_cap_mb")
+        self.bucket_cap_mb = check_layout_mb(bucket_cap_mb, "bucket_cap_mb")
         built = compute.buckets if self.bucket_cap_mb is None else buckets_for_cap(compute.parameters, self.bucket_cap_mb)
         # DDP hands buckets over in the order their gradients become ready (after its rebuild)
         handed_over = sorted(built, key=lambda b: max(ready[n] for n in b.parameters))
-        self.exchange_mb = check_exchange_mb(exchange_mb)
+        self.exchange_mb = check_layout_mb(exchange_mb)
         if self.exchange_mb is not None and self.bucket_cap_mb is not None:
             raise ValueError("a layout either joins DDP's buckets (exchange_mb) or rebuilds them (bucket_cap_mb), "
                              "not both")
@@ -326,7 +326,7 @@ class PerformanceModel:
 
     def with_layout(self, exchange_mb: float | None, bucket_cap_mb: float | None = None) -> PerformanceModel:
         """This model (calibration included) under another bucket layout."""
-        key = (check_exchange_mb(exchange_mb), check_exchange_mb(bucket_cap_mb, "bucket_cap_mb"))
+        key = (check_layout_mb(exchange_mb), check_layout_mb(bucket_cap_mb, "bucket_cap_mb"))
         sibling = self._siblings.get(key)
         if sibling is None or (sibling.overlap, sibling.round_s) != (self.overlap, self.round_s):
             sibling = PerformanceModel(self.profile, self.scenario, self.overlap, self.round_s, *key)

@@ -77,8 +77,8 @@ class Plan(JsonDocument):
     def __post_init__(self) -> None:
         self.default = parse(self.default)
         self.kernel_forms = check_forms(self.kernel_forms)
-        self.exchange_mb = check_exchange_mb(self.exchange_mb)
-        self.bucket_cap_mb = check_exchange_mb(self.bucket_cap_mb, "bucket_cap_mb")
+        self.exchange_mb = check_layout_mb(self.exchange_mb)
+        self.bucket_cap_mb = check_layout_mb(self.bucket_cap_mb, "bucket_cap_mb")
         if self.exchange_mb is not None and self.bucket_cap_mb is not None:
             raise ValueError(f"plan has exchange_mb={self.exchange_mb:g} and bucket_cap_mb={self.bucket_cap_mb:g}; "
                              "give one layout: exchange_mb joins DDP's buckets in the hook, bucket_cap_mb needs "
@@ -229,8 +229,9 @@ class Plan(JsonDocument):
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def check_exchange_mb(exchange_mb: Any, name: str = "exchange_mb") -> float | None:
-    """``exchange_mb`` (or ``bucket_cap_mb``) as a float, or None; raises ValueError naming the allowed values."""
+def check_layout_mb(exchange_mb: Any, name: str = "exchange_mb") -> float | None:
+    """A layout's size in MiB (``exchange_mb``, or ``bucket_cap_mb`` by ``name``) as a float, or None;
+    raises ValueError naming the allowed values."""
     if exchange_mb is None:
         return None
     if isinstance(exchange_mb, bool) or not isinstance(exchange_mb, (int, float)) or not (

@@ -22,8 +22,8 @@ Driven from the model's forward calls, which every rank makes at the same step:
    the current weights on fresh shadows, as often as ``retrial_share`` of the training time
    pays for (:class:`~advisor.tuning.online.watch.RetrialClock`, as :func:`advisor.wrap`
    schedules its own); one that has fallen behind fp32 beyond the tolerance backs off on every
-   rank to the 16-bit cast that raced, else to FSDP's own reduce-scatter, and an event says so
-   with the numbers.
+   rank to the 16-bit cast that raced (else the optimizer's cast among the candidates, else
+   FSDP's own reduce-scatter), and an event says so with the numbers.
 
 Without ``loss_fn``, ``batches`` and ``build`` there is no accuracy evidence: only the baselines
 race (the compressed plans are left out, and an event says so).  With them, the plan that wins
