@@ -74,7 +74,7 @@ def _data(rank: int, world: int):
 
 
 def bench_rank(rank: int, world: int, dim: int, layers: int, rounds: int, steps: int, advise: bool,
-               expected_steps: int, tta_steps: int):
+               expected_steps: int):
     from advisor.core.collectives import slowest
     from advisor.testbed.workloads import _next_token_loss
 
@@ -116,11 +116,13 @@ def bench_rank(rank: int, world: int, dim: int, layers: int, rounds: int, steps:
             times[setting].append(seconds)
     with torch.no_grad():
         held = {s: statistics.mean(float(_next_token_loss(m, b)) for b in held_out) for s, m in models.items()}
-    models.clear()  # free them before the time-to-accuracy runs
-    optimizers.clear()
-    tta = _time_to_accuracy(dim, layers, batches, held_out, tta_steps, advice) if tta_steps else None
-    return {"times": times, "held_out": held, "params": params, "steps": 1 + rounds * steps, "advice": advice,
-            "tta": tta}
+    return {"times": times, "held_out": held, "params": params, "steps": 1 + rounds * steps, "advice": advice}
+
+
+def tta_rank(rank: int, world: int, dim: int, layers: int, steps: int, advice: dict | None) -> dict:
+    """The time-to-accuracy job (a second launch, so the per-step table prints before it starts)."""
+    batches, held_out = _data(rank, world)
+    return _time_to_accuracy(dim, layers, batches, held_out, steps, advice)
 
 
 def _time_to_accuracy(dim: int, layers: int, batches, held_out, steps: int, advice) -> dict:
@@ -186,21 +188,28 @@ def main(argv=None) -> int:
     for rate in args.rates.split(","):
         with EmulatedCluster(hosts=args.ranks, rate=rate) as cluster:
             out = cluster.run(bench_rank, (args.dim, args.layers, args.rounds, args.steps, args.advise,
-                                           args.expected_steps, args.tta_steps), timeout=6000)[0]
-        med = {s: statistics.median(v) for s, v in out["times"].items()}
-        noise = abs(med[SETTINGS[1]] / med[SETTINGS[0]] - 1)
-        best_exact = min(med["fp32, gloo reduce-scatter"], med["fp32, exact all-to-all"])
-        print(f"\n{args.ranks} ranks @ {rate}: transformer LM, {out['params'] / 1e6:.1f}M parameters, "
-              f"{args.layers + 1} fully_shard groups, {out['steps']} steps each (interleaved rounds of {args.steps})")
-        print(f"{'setting':36s} {'ms/step':>9s} {'vs best exact fp32':>19s} {'held-out loss':>14s}")
-        for s in med:
-            print(f"{s:36s} {med[s] * 1e3:9.0f} {best_exact / med[s]:18.2f}x {out['held_out'][s]:14.4f}")
-        print(f"noise: the same setting twice differs by {noise:.1%}")
-        if out["advice"] is not None:
-            print("\n".join(_summary(out["advice"])))
-        if out["tta"] is not None:
-            _show_tta(out["tta"], rate, out["advice"])
+                                           args.expected_steps), timeout=6000)[0]
+            _show_steps(out, args, rate)
+            if args.tta_steps:
+                tta = cluster.run(tta_rank, (args.dim, args.layers, args.tta_steps, out["advice"]), timeout=12000)[0]
+                _show_tta(tta, rate, out["advice"])
     return 0
+
+
+def _show_steps(out: dict, args, rate: str) -> None:
+    """The per-step table of one rate, and the advice with its evidence."""
+    med = {s: statistics.median(v) for s, v in out["times"].items()}
+    noise = abs(med[SETTINGS[1]] / med[SETTINGS[0]] - 1)
+    best_exact = min(med["fp32, gloo reduce-scatter"], med["fp32, exact all-to-all"])
+    print(f"\n{args.ranks} ranks @ {rate}: transformer LM, {out['params'] / 1e6:.1f}M parameters, "
+          f"{args.layers + 1} fully_shard groups, {out['steps']} steps each (interleaved rounds of {args.steps})")
+    print(f"{'setting':36s} {'ms/step':>9s} {'vs best exact fp32':>19s} {'held-out loss':>14s}")
+    for s in med:
+        print(f"{s:36s} {med[s] * 1e3:9.0f} {best_exact / med[s]:18.2f}x {out['held_out'][s]:14.4f}")
+    print(f"noise: the same setting twice differs by {noise:.1%}")
+    if out["advice"] is not None:
+        print("\n".join(_summary(out["advice"])))
+    sys.stdout.flush()
 
 
 def _summary(advice: dict) -> list[str]:

@@ -31,8 +31,12 @@ def test_autotune_on_loopback_agrees_on_every_rank_and_leaves_the_model_untouche
     measured = [m.description for m in r.measured if m.kind == "candidate"]
     expected = [d for d in r.searched_top if d not in ("none everywhere", "fp16 everywhere", "bf16 everywhere")]
     assert measured[: len(expected)] == expected and len({m.label for m in r.measured}) == len(r.measured)
-    # plus at most one uniform compressed plan, for diversity
-    assert len(measured) - len(expected) <= 1 and all(d.endswith("everywhere") for d in measured[len(expected):])
+    # plus at most one uniform compressed plan, for diversity, and the best plan of at most one layout
+    # the model could not tell from DDP's own buckets (the race settles it)
+    extra = measured[len(expected):]
+    other_layout = [d for d in extra if "MiB exchanges" in d or "DDP's buckets at" in d]
+    diverse = [d for d in extra if d not in other_layout]
+    assert len(diverse) <= 1 and all(d.endswith("everywhere") for d in diverse) and len(other_layout) <= 1, extra
     # never slower than the strongest baseline it measured, beyond the noise it measured
     best_baseline = min(m.median_s for m in r.measured if m.kind != "candidate")
     assert r.measured_s(r.recommendation) <= best_baseline * (1 + max(m.noise for m in r.measured))
