@@ -146,13 +146,26 @@ class ShardedOnlineTuner:
         """A plan the user chose: installed now (every rank must hold the same), then only re-trialled."""
         self.switch.set(plan)
         self.plan, self.phase = plan, DECIDED
+        watched = self._schedule_retrials(None)
         self._note("given", f"the given plan ({plan.digest()}) installed; "
-                   + (f"re-trialled as training pays for it at retrial_share={self._retrial_share:g}"
-                      if self._gate is not None and self._retrial_share is not None and is_lossy(plan) else
+                   + (f"re-trialled as training pays for it at retrial_share={self._retrial_share:g}" if watched else
                       "not re-trialled (it needs loss_fn, batches and build, a compressed plan and retrial_share)"))
-        if self._gate is not None and self._retrial_share is not None and is_lossy(plan):
-            self._retrials = RetrialClock(first_retrial_in(self._gate, None, self._retrial_share),
-                                          self._retrial_share, self.group)
+
+    def _schedule_retrials(self, trial_steps: int | None) -> bool:
+        """Re-trial the plan in use from now on, where it compresses and the gate has its data (``trial_steps``:
+        the first trial's length, which sets when the first re-trial is paid for); whether it will be."""
+        if self._gate is None or self._retrial_share is None or not is_lossy(self.plan):
+            return False
+        self._retrials = RetrialClock(self.step + first_retrial_in(self._gate, trial_steps, self._retrial_share),
+                                      self._retrial_share, self.group)
+        return True
+
+    def _trial(self, **settings) -> AccuracyTrial:
+        """A paired accuracy trial from the current weights on shadows from ``build()``, on the gate's data and budget."""
+        args = {**self._gate, **settings}
+        loss_fn, batches, build = args.pop("loss_fn"), args.pop("batches"), args.pop("build")
+        return AccuracyTrial(self.model, loss_fn, batches, self.optimizer, group=self.group,
+                             shadows=sharded_shadows(self.model, self.optimizer, build, self.group), **args)
 
     def record_loss(self, loss) -> None:
         """Accepted for the loops that report losses to :func:`advisor.wrap`; no loss watch follows here yet."""
@@ -225,19 +238,12 @@ class ShardedOnlineTuner:
             self.switch.set(self.plan)
         self.phase = DECIDED
         self._note("decided", f"{decision.reason} (race {self._race.ended})")
-        if self._gate is not None and self._retrial_share is not None and is_lossy(self.plan):
-            at = self.step + first_retrial_in(self._gate, self.accuracy.steps if self.accuracy else None,
-                                              self._retrial_share)
-            self._retrials = RetrialClock(at, self._retrial_share, self.group)
+        self._schedule_retrials(self.accuracy.steps if self.accuracy else None)
 
     def _retrial(self, started: float) -> None:
         """The paired trial again from the current weights: fp32 twice and the plan in use (judged even
         unpowered); where it shows the plan behind beyond the tolerance, back off on every rank."""
-        args = dict(self._gate)
-        loss_fn, batches, build = args.pop("loss_fn"), args.pop("batches"), args.pop("build")
-        trial = AccuracyTrial(self.model, loss_fn, batches, self.optimizer, group=self.group, arms_expected=3,
-                              judge_unpowered=True, shadows=sharded_shadows(self.model, self.optimizer, build,
-                                                                            self.group), **args)
+        trial = self._trial(arms_expected=3, judge_unpowered=True)
         trial.start()
         plan = self.plan
         arm = trial.trial("the plan in use", plan, gate.CANDIDATE, f"the plan in use ({plan.digest()})")
@@ -271,17 +277,13 @@ class ShardedOnlineTuner:
 
     def _judge(self):
         """The paired trial from the current weights on shadows, started when a plan other than fp32 wins."""
-        args = dict(self._gate)
-        loss_fn, batches, build = args.pop("loss_fn"), args.pop("batches"), args.pop("build")
         verdicts: dict = {}
         trial = None
 
         def judge(decision):
             nonlocal trial
             if trial is None:
-                trial = AccuracyTrial(self.model, loss_fn, batches, self.optimizer, group=self.group,
-                                      arms_expected=2 + len(self._arms), shadows=sharded_shadows(
-                                          self.model, self.optimizer, build, self.group), **args)
+                trial = self._trial(arms_expected=2 + len(self._arms))
                 trial.start()
             arm = self._arms[decision.chosen]
             verdict = verdict_of(trial, verdicts, self._problem, decision.chosen, arm.plan, arm.kind, arm.description)
