@@ -225,21 +225,23 @@ def whatif_cmd(profile_path, world_size, bandwidth, latency, speedup, budget, re
 @main.command("demo")
 @click.option("--steps", default=5, show_default=True, help="Timed steps per plan and round of live measurement.")
 @click.option("--rounds", default=3, show_default=True, help="Interleaved rounds of live measurement.")
+@click.option("--run-steps", default=DEMO_RUN_STEPS, show_default=True,
+              help="Length of the training run the advice is for; the accuracy trial may take 2% of it.")
 @click.option("--json", "as_json", is_flag=True, help="Print the autotune result as JSON for scripts.")
-def demo_cmd(steps: int, rounds: int, as_json: bool) -> None:
+def demo_cmd(steps: int, rounds: int, run_steps: int, as_json: bool) -> None:
     """Autotune a bundled text LM (real text, momentum SGD) on a local 2-process cluster and print the advice."""
-    if steps < 1 or rounds < 1:
-        fail(f"--steps={steps} --rounds={rounds}; allowed: integers >= 1")
+    if steps < 1 or rounds < 1 or run_steps < 1:
+        fail(f"--steps={steps} --rounds={rounds} --run-steps={run_steps}; allowed: integers >= 1")
     where = demo_cluster_description()
     if as_json:
-        click.echo(run_demo(steps=steps, rounds=rounds).to_json())
+        click.echo(run_demo(steps=steps, rounds=rounds, expected_steps=run_steps).to_json())
         return
 
     console = Console()
     console.print(f"Autotuning a 1.5M-parameter transformer LM on the standard library's sources, for a run of "
-                  f"{DEMO_RUN_STEPS:,} steps, on {where} (about a minute and a half); rank 0's stages:",
+                  f"{run_steps:,} steps, on {where} (about a minute and a half); rank 0's stages:",
                   highlight=False)
-    result = run_demo(steps=steps, rounds=rounds, show_progress=True)
+    result = run_demo(steps=steps, rounds=rounds, expected_steps=run_steps, show_progress=True)
     result.render(console)
 
 

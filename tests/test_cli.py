@@ -64,7 +64,9 @@ def test_profile_writes_a_profile_and_prints_json(runner, tmp_path):
 
 @pytest.mark.slow
 def test_demo_autotunes_and_prints_the_advice_as_json(runner):
-    result = runner.invoke(main, ["demo", "--steps", "2", "--rounds", "2", "--json"])
+    # a run of 5,000 steps: its 2% buys a trial too short to prove a compressed plan, which the
+    # evidence must then say (the default run's trial takes a minute more)
+    result = runner.invoke(main, ["demo", "--steps", "2", "--rounds", "2", "--run-steps", "5000", "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["kind"] == "compression-advisor/autotune-result"
@@ -76,13 +78,17 @@ def test_demo_autotunes_and_prints_the_advice_as_json(runner):
     # the evidence beside the speed-up: the trial's power, and every plan's case
     assert data["accuracy"]["tolerance"] == 0.01 and data["accuracy"]["detectable"] > 0
     assert {e["label"] for e in data["evidence"]} == {m["label"] for m in data["measured"]}
-    if data["compress"]:
-        assert data["accuracy"]["powered"]
+    assert not data["accuracy"]["powered"] and not data["compress"]
+    assert data["accuracy"]["steps_needed"] > data["accuracy"]["checkpoints"][-1]
+    candidates = [e["status"] for e in data["evidence"] if e["kind"] == "candidate"]
+    assert "accepted" not in candidates, data["evidence"]  # (a plan the race did not need is not judged)
 
 
 def test_demo_refuses_bad_numbers(runner):
     result = runner.invoke(main, ["demo", "--steps", "0"])
     assert result.exit_code == 2 and "--steps=0" in result.output
+    result = runner.invoke(main, ["demo", "--run-steps", "-3"])
+    assert result.exit_code == 2 and "--run-steps=-3" in result.output
 
 
 def _tuning_profile_path(tmp_path, rate):
