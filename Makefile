@@ -46,7 +46,7 @@ device-wheels: $(WHEELS)
 test: $(STAMP) $(WHEELS)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
-	$(PYTHON) -m pytest -q --durations=20
+	$(PYTHON) -m pytest -q --durations=40
 
 bench: $(STAMP)
 	$(PYTHON) benchmarks/compressors.py
