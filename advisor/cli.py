@@ -394,8 +394,11 @@ def validate_cmd(spec, plan_path, rate, steps, eval_every, sixteen, target, npro
 @click.option("--matched/--no-matched", default=True, show_default=True,
               help="Also tune with PowerSGD rank 1's fidelity budget, to compare with PyTorch's rank 1 at equal "
                    "accuracy cost.")
+@click.option("--run-steps", type=int, default=None,
+              help="Length of the training run the advice is for; the accuracy trial may take 2% of it "
+                   "(default: not known, the trial's time budget applies).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def bench_cmd(ranks, rates, models, rounds, steps, measurements, out_path, matched, as_json) -> None:
+def bench_cmd(ranks, rates, models, rounds, steps, measurements, out_path, matched, run_steps, as_json) -> None:
     """The end-to-end benchmark: the advisor's plan vs DDP fp32 and PyTorch's fp16 and PowerSGD hooks."""
     try:
         world_sizes = [int(x) for x in ranks.split(",")]
@@ -410,6 +413,8 @@ def bench_cmd(ranks, rates, models, rounds, steps, measurements, out_path, match
             load_factory(spec)
         if rounds < 1 or steps < 1:
             raise ValueError(f"--rounds={rounds} --steps={steps}; allowed: integers >= 1")
+        if run_steps is not None and run_steps < 1:
+            raise ValueError(f"--run-steps={run_steps}; allowed: an integer >= 1")
     except ValueError as exc:
         fail(str(exc) if "invalid literal" not in str(exc) else f"--ranks={ranks!r}; write e.g. 2,4")
 
@@ -426,7 +431,8 @@ def bench_cmd(ranks, rates, models, rounds, steps, measurements, out_path, match
 
     try:
         run_benchmark(world_sizes, rate_list, specs, rounds=rounds, steps=steps, measurements=measurements,
-                      on_row=on_row, matched=matched)
+                      on_row=on_row, matched=matched,
+                      autotune_kwargs={"trials": 1000, **({"expected_steps": run_steps} if run_steps else {})})
     except ValueError as exc:
         fail(str(exc))
     if as_json:

@@ -121,13 +121,18 @@ def check_device(device: str) -> bool:
     return line("PASS", "device", f"cpu, torch {torch.__version__} (dry run: the GPU-only checks skip)")
 
 
-def check_matrix(device: str) -> bool:
+def check_matrix(device: str, only: list[str] | None = None) -> bool:
+    """The option matrix's cases (``only``: those whose names contain one of these words)."""
     from option_programs import option_matrix
 
     ok = True
     if not device.startswith("cuda"):
         ok &= line("SKIP", "matrix, SyncBatchNorm", "PyTorch's SyncBatchNorm runs on GPUs only")
-    cases = matrix_cases(device)
+    cases = {name: case for name, case in matrix_cases(device).items()
+             if not only or any(word in name for word in only)}
+    if not cases:
+        return line("FAIL", "matrix", f"no case matches --cases={','.join(only or [])}; the cases: "
+                    f"{'; '.join(matrix_cases(device))}")
     t0 = time.perf_counter()
     try:
         ranks = launch_local(option_matrix, 2, (cases,), timeout=900)
@@ -238,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--models", default="text_lm", help="bundled workloads to autotune")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--cases", default="", help="the matrix cases whose names contain one of these "
+                                                    "comma-separated words (default: every case)")
     parser.add_argument("--only", default=",".join(CHECKS), help="comma-separated subset of the checks")
     parser.add_argument("--budget-s", type=float, default=330.0,
                         help="the whole run's wall-time budget; checks that would start past it are skipped")
@@ -250,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         ok &= check_torch_features()
         steps = {
             "imports": check_imports,
-            "matrix": lambda: check_matrix(args.device),
+            "matrix": lambda: check_matrix(args.device, [w for w in args.cases.split(",") if w]),
             "nccl": lambda: check_nccl(args.device),
             "compressors": lambda: check_compressors(args.device, args.repeats),
             "autotune": lambda: check_autotune(args.device, [m for m in args.models.split(",") if m]),

@@ -95,33 +95,6 @@ def autotune_digits(rank: int, world: int, kwargs: dict):
     return {"result": result, "unchanged": _same(before, _state(ddp.module, opt))}
 
 
-def fidelity_against_trial(rank: int, world: int, spec: str, configs: list, options: dict):
-    """Per config: the size-weighted gradient and update errors of the fidelity profile, and the
-    trial's gap behind fp32 for that config everywhere (from the same fresh start)."""
-    from profilers.compute import ddp_buckets
-    from profilers.fidelity import profile_fidelity
-
-    workload = build_workload(spec)
-    ddp = DDP(workload.model)
-    opt = workload.optimizer()
-    buckets = ddp_buckets(ddp, workload.loss_fn, workload.batches[0])
-    fidelity = profile_fidelity(ddp, workload.loss_fn, workload.batches, buckets, configs, optimizer=opt)
-    sizes = {b.index: b.numel for b in buckets}
-    total = sum(sizes.values())
-    errors = {}
-    for c in configs:
-        entries = [e for e in fidelity.entries if e.config == c]
-        errors[c] = (sum(e.relative_error * sizes[e.bucket] for e in entries) / total,
-                     sum(e.update_error * sizes[e.bucket] for e in entries) / total)
-    trial = AccuracyTrial(ddp, workload.loss_fn, workload.batches, opt, evaluate=workload.evaluator(), **options)
-    trial.start()
-    gaps = {}
-    for c in configs:
-        arm = trial.trial(c, Plan.uniform(c, warmup_steps=0))
-        gaps[c] = arm.gap if arm.gap is not None else math.inf
-    return {"errors": errors, "gaps": gaps, "optimizer": fidelity.optimizer}
-
-
 def checkpoints_twice(rank: int, world: int, spec: str, evaluate: bool):
     """The fp32 pair's checkpoints in two trials of the same data from the same weights: they must not
     depend on the machine's timing (held-out loss counted; a user's evaluate timed once, rounded)."""

@@ -330,6 +330,7 @@ def test_validate_refuses_a_plan_for_another_model(runner, tmp_path):
     (["bench", "--ranks", "two"], "--ranks='two'"),
     (["bench", "--rates", "fast"], "cannot read rate"),
     (["bench", "--models", "nosuch.module:f"], "does not import"),
+    (["bench", "--run-steps", "0"], "--run-steps=0"),
 ])
 def test_bench_bad_input_exits_2_with_one_line(runner, args, message):
     result = runner.invoke(main, args)
@@ -340,7 +341,8 @@ def test_bench_bad_input_exits_2_with_one_line(runner, args, message):
 @pytest.mark.slow
 def test_bench_measures_the_advisor_next_to_pytorchs_hooks(runner, tmp_path):
     result = runner.invoke(main, ["bench", "--ranks", "2", "--rates", "unshaped", "--models",
-                                  "autotune_programs:medium_mlp", "--rounds", "1", "--steps", "2", "--json"])
+                                  "autotune_programs:medium_mlp", "--rounds", "1", "--steps", "2",
+                                  "--run-steps", "1000", "--json"])
     assert result.exit_code == 0, result.output
     row = json.loads(result.output)[0]
     from advisor.testbed.bench import SETTINGS

@@ -40,9 +40,10 @@ def test_the_dry_run_passes_every_check_that_needs_no_gpu_and_skips_the_rest(tmp
     assert list(device_wheels.WHEELS.glob("*.whl")), NO_WHEELS
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OUT")}
     env.update(OUT=str(tmp_path), PYTHON=sys.executable)
-    # the smallest bundled model: the dry run checks the path (the GPU run autotunes the text LM)
+    # the smallest bundled model and three of the option matrix's cases (test_options runs them all):
+    # the dry run checks the path; the GPU run autotunes the text LM under every case
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "device_check.sh"), "--dry-run", "--repeats", "2",
-                           "--models", "digits"],
+                           "--models", "digits", "--cases", "fp32,GradScaler,compile"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "device_check.json").read_text())
@@ -50,7 +51,8 @@ def test_the_dry_run_passes_every_check_that_needs_no_gpu_and_skips_the_rest(tmp
     assert report["passed"] and report["device"] == "cpu"
     assert status["imports"] == "PASS" and status["autotune digits"] == "PASS"
     assert status["NCCL, world size 1"] == "SKIP" and status["matrix, SyncBatchNorm"] == "SKIP"
-    assert sum(s == "PASS" and c.startswith("matrix, ") for c, s in status.items()) >= 8
+    assert [c for c, s in status.items() if s == "PASS" and c.startswith("matrix, ")] == [
+        "matrix, fp32", "matrix, fp16 autocast + GradScaler (overflows at first)", "matrix, torch.compile(ddp), inductor"]
     assert not [c for c, s in status.items() if s == "FAIL"]
 
 

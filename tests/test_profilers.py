@@ -225,3 +225,28 @@ def test_a_network_profile_is_reused_only_where_every_rank_still_holds_a_fresh_o
     for r in launch_local(pp.network_reuse, 2, timeout=120):
         assert r["same"] and r["reuse_s"] < 0.5, r
         assert r["third_measured"], "rank 0 had no profile left, so every rank measures again"
+
+
+def test_the_update_error_through_plain_sgd_is_the_gradient_error_and_adam_amplifies_it():
+    """Plain SGD's updates are linear in the gradients, so their error is the gradients' error;
+    Adam divides by each coordinate's second moment, and the same compressed stream misses by more."""
+    import torch
+
+    from advisor.compressors import SegmentLayout
+    from profilers.fidelity import UpdateReplay, replay
+
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(32, 16))
+    before = weight.detach().clone()
+    layout = SegmentLayout(("weight",), ((32, 16),))
+    grads = [torch.randn(512) * (1 + torch.arange(512) % 7) for _ in range(6)]
+    for optimizer, same in ((torch.optim.SGD([weight], lr=0.1), True), (torch.optim.Adam([weight], lr=1e-3), False)):
+        update = UpdateReplay(optimizer, [weight])
+        assert replay("none", layout, grads, update)[::2] == (0.0, 0.0), "an exact exchange changes nothing"
+        error, _, update_error = replay("powersgd(rank=1)", layout, grads, update)
+        assert error > 0.05
+        if same:
+            assert update_error == pytest.approx(error, rel=1e-6)
+        else:
+            assert update_error > 1.1 * error, (update_error, error)
+    assert torch.equal(weight.detach(), before) and weight.grad is None, "the replay steps copies only"
