@@ -432,7 +432,7 @@ def bench_cmd(ranks, rates, models, rounds, steps, measurements, out_path, match
     try:
         run_benchmark(world_sizes, rate_list, specs, rounds=rounds, steps=steps, measurements=measurements,
                       on_row=on_row, matched=matched,
-                      autotune_kwargs={"trials": 1000, **({"expected_steps": run_steps} if run_steps else {})})
+                      autotune_kwargs={"expected_steps": run_steps} if run_steps else None)
     except ValueError as exc:
         fail(str(exc))
     if as_json:

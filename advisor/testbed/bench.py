@@ -141,7 +141,7 @@ def run_benchmark(ranks: Sequence[int] = (2, 4), rates: Sequence[str] = RATES, m
         rounds, steps, warmup: interleaved rounds of timed steps after untimed ones.
         measurements: append the live measurements to that measurement set file.
         on_row: sees each row as soon as it is measured.
-        autotune_kwargs: more keyword arguments of :func:`advisor.autotune`.
+        autotune_kwargs: more keyword arguments of :func:`advisor.autotune` (``trials`` 1000 unless given).
         matched: also autotune with the fidelity budget of PowerSGD rank 1 (a second tuned
             copy measured in the same rounds), to compare with PyTorch's rank 1 at the same
             accuracy cost.
@@ -161,7 +161,7 @@ def run_benchmark(ranks: Sequence[int] = (2, 4), rates: Sequence[str] = RATES, m
                 raise ValueError(f"rate {rate_name!r} needs the emulated cluster, but {unavailable_reason()}")
             for spec in models:
                 where = f"{spec.split(':')[-1]} x{world} @ {rate_name}"
-                args = (spec, rounds, steps, warmup, measurements, where, dict(autotune_kwargs or {"trials": 1000}),
+                args = (spec, rounds, steps, warmup, measurements, where, {"trials": 1000, **(autotune_kwargs or {})},
                         matched)
                 if emulated:
                     with EmulatedCluster(hosts=world, rate=rate) as cluster:
