@@ -73,7 +73,7 @@ def main() -> None:
         rho = float(spearmanr([out["errors"][c][i] for c in CONFIGS], gaps).statistic)
         print(f"Spearman with the trial gap, {name}: {rho:.2f}")
     print(f"({time.perf_counter() - t0:.0f} s; one adjacent swap of {len(CONFIGS)} configs moves Spearman by "
-          f"{6 / (len(CONFIGS) * (len(CONFIGS) ** 2 - 1)) * 2:.2f})")
+          f"{12 / (len(CONFIGS) * (len(CONFIGS) ** 2 - 1)):.2f})")
 
 
 if __name__ == "__main__":

@@ -40,8 +40,9 @@ def test_the_dry_run_passes_every_check_that_needs_no_gpu_and_skips_the_rest(tmp
     assert list(device_wheels.WHEELS.glob("*.whl")), NO_WHEELS
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OUT")}
     env.update(OUT=str(tmp_path), PYTHON=sys.executable)
-    # the smallest bundled model and three of the option matrix's cases (test_options runs them all):
-    # the dry run checks the path; the GPU run autotunes the text LM under every case
+    # the smallest bundled model and three of the option matrix's cases (test_options runs its own
+    # matrix, compiling with aot_eager; inductor is checked only here): the dry run checks the path,
+    # the GPU run autotunes the text LM under every case
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "device_check.sh"), "--dry-run", "--repeats", "2",
                            "--models", "digits", "--cases", "fp32,GradScaler,compile"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -229,18 +229,18 @@ class Plan(JsonDocument):
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def check_layout_mb(exchange_mb: Any, name: str = "exchange_mb") -> float | None:
+def check_layout_mb(size_mb: Any, name: str = "exchange_mb") -> float | None:
     """A layout's size in MiB (``exchange_mb``, or ``bucket_cap_mb`` by ``name``) as a float, or None;
     raises ValueError naming the allowed values."""
-    if exchange_mb is None:
+    if size_mb is None:
         return None
-    if isinstance(exchange_mb, bool) or not isinstance(exchange_mb, (int, float)) or not (
-            math.isfinite(exchange_mb) and exchange_mb > 0):
+    if isinstance(size_mb, bool) or not isinstance(size_mb, (int, float)) or not (
+            math.isfinite(size_mb) and size_mb > 0):
         meaning = ("consecutive DDP buckets are exchanged together until they hold that much), or None (each bucket "
                    "on its own)" if name == "exchange_mb" else
                    "DDP built with buckets of that size), or None (DDP's buckets as built)")
-        raise ValueError(f"plan {name}={exchange_mb!r}; allowed: a size in MiB > 0 ({meaning}")
-    return float(exchange_mb)
+        raise ValueError(f"plan {name}={size_mb!r}; allowed: a size in MiB > 0 ({meaning}")
+    return float(size_mb)
 
 
 def exchange_groups(bucket_bytes: Sequence[int], exchange_mb: float | None) -> list[list[int]]:
