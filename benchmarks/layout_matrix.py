@@ -17,7 +17,11 @@ the noise, at least 1.1x faster on the median row, and within 1.05x of the floor
 PyTorch setting is.
 
 Usage: python benchmarks/layout_matrix.py [--ranks 2,4] [--rates 100mbit,1gbit]
-[--models advisor.workloads:mlp,...] [--rounds 5] [--steps 4] [--gate] [--out rows.json]
+[--models advisor.workloads:mlp,...] [--rounds 5] [--steps 4] [--gate] [--same-plan] [--out rows.json]
+
+``--same-plan`` also times PowerSGD rank 1 everywhere through the advisor's hook, in PyTorch's one
+bucket and on DDP's own buckets, and prints each against PyTorch's rank 1: where the advice is
+slower than PyTorch's, whether the hook or the layout costs the difference.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import json
 import statistics
 import sys
 
-from advisor.testbed.bench import MATCHED, MODELS, PYTORCH, layout_of, render_row, run_benchmark
+from advisor.testbed.bench import MATCHED, MODELS, PYTORCH, SAME_PLAN, layout_of, render_row, run_benchmark
 
 
 def main(argv=None) -> int:
@@ -39,11 +43,13 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--gate", action="store_true", help="let autotune run its accuracy trial (the default "
                                                              "decides on speed alone, as PyTorch's hooks are)")
+    parser.add_argument("--same-plan", action="store_true", help="also time PowerSGD rank 1 through the advisor's "
+                                                                  "hook in each layout, beside PyTorch's")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     rows = run_benchmark([int(r) for r in args.ranks.split(",")], args.rates.split(","), args.models.split(","),
                          rounds=args.rounds, steps=args.steps, on_row=render_row, matched=True,
-                         autotune_kwargs={"trials": 1000, "accuracy_trial": args.gate})
+                         autotune_kwargs={"trials": 1000, "accuracy_trial": args.gate}, same_plan=args.same_plan)
     print()
     print("| ranks | rate | model | budget | advice (layout) | best PyTorch within it (ms) | advisor (ms) | "
           "floor (ms) | advisor / best PyTorch | noise |")
@@ -75,6 +81,11 @@ def main(argv=None) -> int:
             ok = t[setting] <= 1.05 * t["compute only"]
             print(f"near the floor ({r['model']} x{r['ranks']} @ {r['rate']}, {budget}: best PyTorch within 1.05x "
                   f"of it): advisor {t[setting] / t['compute only']:.2f}x the floor {'PASS' if ok else 'FAIL'}")
+    for r in rows if args.same_plan else ():
+        t, pytorch = r["times_s"], r["times_s"]["PyTorch PowerSGD r1 (1 bucket)"]
+        print(f"same plan, {r['model']} x{r['ranks']} @ {r['rate']}: PyTorch's PowerSGD r1 (1 bucket) "
+              f"{pytorch * 1e3:.1f} ms; " + "; ".join(f"{name} {t[name] * 1e3:.1f} ms ({t[name] / pytorch:.2f}x)"
+                                                     for name in SAME_PLAN) + f" (noise ±{r['noise']:.1%})")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1, default=str)

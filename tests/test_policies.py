@@ -60,6 +60,21 @@ def test_optuna_is_deterministic_under_a_seed():
     assert np.array_equal(a.choices, b.choices)
 
 
+def test_a_space_no_larger_than_the_trials_is_scored_whole_and_gives_the_exact_best_feasible_plan():
+    import itertools
+
+    problem = problem_at(1e8, n_buckets=3)
+    every = np.array(list(itertools.product(range(len(problem.configs)), repeat=3)))
+    fastest = every[np.argmin(problem.predict(every))]
+    problem.budget = 0.5 * float(problem.fidelity_error(fastest[None, :])[0])  # the fastest plan is out of budget
+    feasible = every[problem.feasible(every)]
+    result = OptunaPolicy(n_trials=len(every)).search(problem)
+    assert result.evaluations == len(every)  # each plan once, no study
+    assert result.predicted_s == pytest.approx(float(problem.predict(feasible).min()), rel=1e-12)
+    assert result.fidelity_error <= problem.budget
+    assert len(result.ranked) == 8 and len({r.tobytes() for r in result.ranked}) == 8
+
+
 def test_optuna_study_resumes_from_storage_and_refuses_another_problem(tmp_path):
     url = f"sqlite:///{tmp_path / 'study.db'}"
     problem = problem_at(1e9, n_buckets=6)

@@ -11,6 +11,9 @@ advisor's installed plan (timed past its warm-up).  With ``matched`` a second co
 model is autotuned under the fidelity budget of PowerSGD rank 1 and measured in the same
 rounds: PyTorch's rank 1 loses more of the gradient than the advisor's default budget
 (PowerSGD rank 4's error) allows, so this is the comparison at equal accuracy cost.
+With ``same_plan`` the advisor's hook also runs PowerSGD rank 1 everywhere, in PyTorch's one
+bucket and on DDP's own buckets, in the same rounds: set beside PyTorch's rank 1 they tell
+the hook's own cost apart from the cost of the bucket layout.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ SETTINGS = ("compute only", "DDP fp32", "PyTorch fp16 hook", "PyTorch fp16 hook,
 PYTORCH = tuple(s for s in SETTINGS if s.startswith(("DDP fp32", "PyTorch")))
 #: the matched comparison: the advisor held to the fidelity of PowerSGD rank 1
 MATCHED_REFERENCE = "powersgd(rank=1)"
+#: ``same_plan``'s settings: PyTorch's rank 1 plan through the advisor's hook, in each layout
+SAME_PLAN = {"advisor hook, PowerSGD r1 (1 bucket)": 10_000, "advisor hook, PowerSGD r1 (DDP's buckets)": None}
 
 
 def layout_of(result: dict) -> str:
@@ -83,7 +88,8 @@ def _autotuned(spec: str, batches: list, where: str, measurements: str | None, a
 
 
 def bench_rank(rank: int, world: int, spec: str, rounds: int, steps: int, warmup: int,
-               measurements: str | None, where: str, autotune_kwargs: dict, matched: bool = True):
+               measurements: str | None, where: str, autotune_kwargs: dict, matched: bool = True,
+               same_plan: bool = False):
     workload = build_workload(spec)
     batches = list(workload.batches)
     tuned, opt, result, tune_s = _autotuned(spec, batches, where, measurements, autotune_kwargs)
@@ -108,6 +114,12 @@ def bench_rank(rank: int, world: int, spec: str, rounds: int, steps: int, warmup
         psgd.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         timed_steps(psgd, workload.loss_fn, batches, None, 1, 3)  # past PowerSGD's own warm-up
         settings[f"PyTorch PowerSGD r{r} (1 bucket)"] = (psgd, None)
+    hooks = []
+    for name, cap in SAME_PLAN.items() if same_plan else ():
+        _, ours = _fresh(spec, **({} if cap is None else {"bucket_cap_mb": cap}))
+        hooks.append(advisor.install(ours, advisor.Plan.uniform(MATCHED_REFERENCE, warmup_steps=0)))
+        timed_steps(ours, workload.loss_fn, batches, None, 1, 3)  # as PyTorch's: past the first steps
+        settings[name] = (ours, None)
     for name, (model, o) in settings.items():
         if o is None:
             settings[name] = (model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
@@ -123,6 +135,8 @@ def bench_rank(rank: int, world: int, spec: str, rounds: int, steps: int, warmup
     for r in (result, matched_result):
         if r is not None and r.hook is not None:
             r.hook.close()
+    for hook in hooks:
+        hook.close()
     out = {"times": {k: statistics.median(v) for k, v in times.items()}, "rounds": times,
            "tune_s": tune_s, "result": result.to_dict() if rank == 0 else None}
     if matched_result is not None:
@@ -133,7 +147,7 @@ def bench_rank(rank: int, world: int, spec: str, rounds: int, steps: int, warmup
 def run_benchmark(ranks: Sequence[int] = (2, 4), rates: Sequence[str] = RATES, models: Sequence[str] = MODELS,
                   rounds: int = 3, steps: int = 4, warmup: int = 2, measurements: str | None = None,
                   on_row: Callable[[dict], None] | None = None, autotune_kwargs: dict | None = None,
-                  matched: bool = True) -> list[dict]:
+                  matched: bool = True, same_plan: bool = False) -> list[dict]:
     """Autotune, then time the advice next to DDP fp32, 16-bit and PyTorch's PowerSGD, side by side.
 
     Args:
@@ -145,6 +159,8 @@ def run_benchmark(ranks: Sequence[int] = (2, 4), rates: Sequence[str] = RATES, m
         matched: also autotune with the fidelity budget of PowerSGD rank 1 (a second tuned
             copy measured in the same rounds), to compare with PyTorch's rank 1 at the same
             accuracy cost.
+        same_plan: also time PyTorch's PowerSGD rank 1 plan through the advisor's hook, in one
+            bucket and on DDP's own (:data:`SAME_PLAN`): the hook's cost apart from the layout's.
 
     Returns:
         One dict per (world size, rate, model): each setting's median step time and the advice.
@@ -162,7 +178,7 @@ def run_benchmark(ranks: Sequence[int] = (2, 4), rates: Sequence[str] = RATES, m
             for spec in models:
                 where = f"{spec.split(':')[-1]} x{world} @ {rate_name}"
                 args = (spec, rounds, steps, warmup, measurements, where, {"trials": 1000, **(autotune_kwargs or {})},
-                        matched)
+                        matched, same_plan)
                 if emulated:
                     with EmulatedCluster(hosts=world, rate=rate) as cluster:
                         out = cluster.run(bench_rank, args, timeout=3000)
