@@ -33,7 +33,12 @@ from .base import Policy, PolicyResult, distinct_best
 from .greedy import GreedyPolicy
 from .problem import TuningProblem
 
-SAMPLERS = ("nsga2", "tpe", "random")
+#: each sampler by name, made from the seed
+SAMPLERS = {
+    "nsga2": lambda seed: optuna.samplers.NSGAIISampler(seed=seed, population_size=100),
+    "tpe": lambda seed: optuna.samplers.TPESampler(seed=seed),
+    "random": lambda seed: optuna.samplers.RandomSampler(seed=seed),
+}
 
 
 def _param(b: int) -> str:
@@ -82,19 +87,13 @@ class OptunaPolicy(Policy):
     def _make_sampler(self):
         if isinstance(self.sampler, optuna.samplers.BaseSampler):
             return self.sampler
-        if self.sampler == "nsga2":
-            return optuna.samplers.NSGAIISampler(seed=self.seed, population_size=100)
-        if self.sampler == "tpe":
-            return optuna.samplers.TPESampler(seed=self.seed)
-        if self.sampler == "random":
-            return optuna.samplers.RandomSampler(seed=self.seed)
-        raise ValueError(f"sampler={self.sampler!r}; allowed: {', '.join(SAMPLERS)} or an optuna sampler instance")
+        return SAMPLERS[self.sampler](self.seed)
 
     def _validate(self) -> None:
         check_int("n_trials", self.n_trials)
         check_int("batch", self.batch)
         check_int("keep", self.keep)
-        if not isinstance(self.sampler, optuna.samplers.BaseSampler) and self.sampler not in SAMPLERS:
+        if not isinstance(self.sampler, optuna.samplers.BaseSampler) and self.sampler not in tuple(SAMPLERS):  # a list is no name
             raise ValueError(f"sampler={self.sampler!r}; allowed: {', '.join(SAMPLERS)} or an optuna sampler instance")
         if self.storage is not None and not isinstance(self.storage, str):
             raise ValueError(f"storage={self.storage!r}; allowed: an Optuna storage URL such as 'sqlite:///study.db'")
@@ -160,38 +159,28 @@ class OptunaPolicy(Policy):
         if greedy is not None:
             plans = np.concatenate([plans, np.array(greedy.top(self.keep))])
             seconds = np.concatenate([seconds, problem.predict(np.array(greedy.top(self.keep)))])
-        ranked = distinct_best(problem, plans, seconds, self.keep)
-        best = ranked[0]
-        logging.getLogger("advisor.policies").info(
-            "optuna: %d trials in %.1f s, best %.2f ms", self.n_trials, time.perf_counter() - t0,
-            float(problem.predict(best[None, :])[0]) * 1e3,
-        )
-        return PolicyResult(
-            policy=self.name,
-            choices=best,
-            predicted_s=float(problem.predict(best[None, :])[0]),
-            fidelity_error=float(problem.fidelity_error(best[None, :])[0]),
-            evaluations=len(plans) + (greedy.evaluations if greedy else 0),
-            seconds=time.perf_counter() - t0,
-            ranked=ranked,
-        )
-
+        return self._answer(problem, distinct_best(problem, plans, seconds, self.keep),
+                            len(plans) + (greedy.evaluations if greedy else 0), t0, f"{self.n_trials} trials")
 
     def _score_every_plan(self, problem: TuningProblem, t0: float) -> PolicyResult:
         """The exact answer where the space is no larger than the trials asked for."""
         plans = np.array(list(itertools.product(range(len(problem.configs)), repeat=problem.n_buckets)),
                          dtype=np.int64)
-        seconds = problem.predict(plans)
-        ranked = distinct_best(problem, plans, seconds, self.keep)
+        ranked = distinct_best(problem, plans, problem.predict(plans), self.keep)
+        return self._answer(problem, ranked, len(plans), t0, f"all {len(plans)} plans")
+
+    def _answer(self, problem: TuningProblem, ranked: list[np.ndarray], evaluations: int, t0: float,
+                how: str) -> PolicyResult:
         best = ranked[0]
-        logging.getLogger("advisor.policies").info("optuna: all %d plans scored in %.3f s, best %.2f ms", len(plans),
-                                                   time.perf_counter() - t0, float(problem.predict(best[None, :])[0]) * 1e3)
+        predicted_s = float(problem.predict(best[None, :])[0])
+        logging.getLogger("advisor.policies").info("optuna: %s in %.3f s, best %.2f ms", how,
+                                                   time.perf_counter() - t0, predicted_s * 1e3)
         return PolicyResult(
             policy=self.name,
             choices=best,
-            predicted_s=float(problem.predict(best[None, :])[0]),
+            predicted_s=predicted_s,
             fidelity_error=float(problem.fidelity_error(best[None, :])[0]),
-            evaluations=len(plans),
+            evaluations=evaluations,
             seconds=time.perf_counter() - t0,
             ranked=ranked,
         )
