@@ -93,7 +93,8 @@ class OptunaPolicy(Policy):
         check_int("n_trials", self.n_trials)
         check_int("batch", self.batch)
         check_int("keep", self.keep)
-        if not isinstance(self.sampler, optuna.samplers.BaseSampler) and self.sampler not in tuple(SAMPLERS):  # a list is no name
+        named = isinstance(self.sampler, str) and self.sampler in SAMPLERS
+        if not (named or isinstance(self.sampler, optuna.samplers.BaseSampler)):
             raise ValueError(f"sampler={self.sampler!r}; allowed: {', '.join(SAMPLERS)} or an optuna sampler instance")
         if self.storage is not None and not isinstance(self.storage, str):
             raise ValueError(f"storage={self.storage!r}; allowed: an Optuna storage URL such as 'sqlite:///study.db'")
