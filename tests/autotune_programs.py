@@ -143,6 +143,7 @@ def nan_on_rank_one(rank: int, world_size: int):
         live.shadow_of = shadow_of
     smaller = {"caps": caps, "labels": list(measured), "unchanged": all(
         torch.equal(before[k], v) for k, v in ddp.module.state_dict().items())}
+    retimed = retime_a_plan(ddp, workload, batches, opt)
     if rank == 1:
         batches = [(torch.full_like(x, float("nan")), y) for x, y in batches]
     try:
@@ -150,8 +151,31 @@ def nan_on_rank_one(rank: int, world_size: int):
                       rounds=1, steps=2, warmup=1)
     except FloatingPointError as exc:
         restored = all(torch.equal(before[k], v) for k, v in ddp.module.state_dict().items())
-        return {"error": str(exc), "restored": restored, "smaller": smaller}
-    return {"error": None, "smaller": smaller}
+        return {"error": str(exc), "restored": restored, "smaller": smaller, "retimed": retimed}
+    return {"error": None, "smaller": smaller, "retimed": retimed}
+
+
+def retime_a_plan(ddp, workload, batches, opt) -> dict:
+    """autotune's re-timing of a proven plan: fp16 (as a compressed plan) alone beside native fp32."""
+    from advisor.runtime import Plan
+    from advisor.tuning.autotune import _measurer
+    from advisor.tuning.steps import Arm, retimer
+    from policies.do_no_harm import CANDIDATE, FP32, Decision
+    from policies.evidence import Estimate
+
+    class Proven:  # the accuracy trial's verdict: as efficient as fp32, within 1%
+        def efficiency_estimate(self):
+            return Estimate(1.0, 0.005, 20)
+
+    arms = {"fp32": Arm("fp32", FP32, Plan.uniform("none", warmup_steps=0), None, "fp32", 0.01),
+            "c": Arm("c", CANDIDATE, Plan.uniform("fp16", warmup_steps=0), None, "fp16 as a candidate", 0.01)}
+    record, said = [], []
+    retime = retimer(_measurer(ddp, workload.loss_fn, batches, opt, None, said.append), arms, turn=lambda arm: 2,
+                     max_rounds=4, say=said.append, record=record)
+    decision = Decision("c", CANDIDATE, True, "fp32", "c", 0.1, 3.0, "race", step=Estimate(3.0, 0.01, 2))
+    estimate = retime(decision, Proven())
+    return {"estimate": (estimate.value, estimate.lower(), estimate.upper(), estimate.dof), "record": record,
+            "said": said}
 
 
 def bad_wrap_arguments(rank: int, world_size: int):

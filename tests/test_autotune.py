@@ -1,5 +1,6 @@
 """autotune on real ranks: it decides, every rank agrees, the user's model is untouched."""
 
+import dataclasses
 import math
 
 import pytest
@@ -148,6 +149,20 @@ def test_a_plan_for_smaller_buckets_is_measured_on_a_copy_of_ddp_built_with_them
         # one shadow for DDP's own buckets (fp16 and bf16 share it), one built with the plan's cap
         assert smaller["caps"] == [25 * (1 << 20), int(0.25 * (1 << 20))], smaller
         assert smaller["labels"] == ["fp32", "fp16", "fp16, 0.25 MiB buckets", "bf16"] and smaller["unchanged"]
+
+
+def test_a_proven_plan_is_re_timed_alone_beside_its_baseline_with_every_rank_holding_the_same_numbers(measured_live):
+    first, second = (o["retimed"] for o in measured_live)
+    local = lambda record: [dataclasses.replace(r, seconds=0.0) for r in record]  # noqa: E731 (seconds are each rank's)
+    assert first["estimate"] == second["estimate"] and local(first["record"]) == local(second["record"])
+    (timing,) = first["record"]
+    assert (timing.label, timing.baseline, timing.steps, timing.race_speedup) == ("c", "fp32", 2, 3.0)
+    assert 3 <= len(timing.plan_s) == len(timing.baseline_s) <= 4  # at least 3 rounds, more only while unresolved
+    assert timing.speedup == pytest.approx(first["estimate"][0]) and timing.low < timing.speedup < timing.high
+    assert timing.seconds > 0
+    # the two alone: native fp32 and the plan, nothing else raced
+    assert any("re-timing fp16 as a candidate beside fp32" in line for line in first["said"])
+    assert {line.split(": ")[-1] for line in first["said"] if line.startswith("round")} == {"fp32", "c"}
 
 
 def test_wrap_refuses_bad_arguments_before_installing_anything():

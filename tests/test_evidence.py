@@ -184,6 +184,35 @@ def test_an_efficiency_above_one_is_capped_so_luck_cannot_make_a_plan_look_faste
     assert decision.tta.value == pytest.approx(decision.step_speedup().value)
 
 
+def test_a_proven_plan_is_re_timed_and_its_time_to_accuracy_rests_on_the_re_timing_not_the_race():
+    # the race says c1 is 1.99x bf16 per step; measured again alone it is 1.05x, which with an
+    # efficiency of 0.98 cannot show it faster: c2 is re-timed in its turn and holds
+    verdicts = {"c1": verdict("c1", gate.ACCEPTED, 0.98, se=0.005), "c2": verdict("c2", gate.ACCEPTED, 0.98, se=0.005)}
+    again = {"c1": ev.Estimate(1.05, 0.02, 4), "c2": ev.Estimate(1.30, 0.02, 4)}
+    asked = []
+
+    def retime(decision, arm):
+        asked.append((decision.chosen, decision.best_baseline, arm.label))
+        return again[decision.chosen]
+
+    decision, _, rejected = decide_time_to_accuracy(MEASURED, lambda d: verdicts[d.chosen], retime=retime)
+    assert asked == [("c1", "bf16", "c1"), ("c2", "bf16", "c2")]
+    assert decision.chosen == "c2" and decision.retimed is again["c2"]
+    assert decision.step_speedup() is again["c2"] and decision.tta.value == pytest.approx(1.30 * 0.98)
+    assert "re-timed alone beside bf16: 1.30x" in decision.reason
+    assert len(rejected) == 1 and "re-timed alone beside bf16: 1.05x" in rejected[0]
+    assert "the race's 1.99x" in rejected[0]
+
+
+def test_only_a_plan_the_trial_proved_is_re_timed():
+    verdicts = {"c1": verdict("c1", gate.NOT_PROVEN), "c2": verdict("c2", gate.REJECTED),
+                "bf16": verdict("bf16", gate.ACCEPTED)}
+    asked = []
+    decision, _, _ = decide_time_to_accuracy(MEASURED, lambda d: verdicts[d.chosen],
+                                             retime=lambda d, arm: asked.append(d.chosen))
+    assert decision.chosen == "bf16" and asked == [] and decision.retimed is None
+
+
 def test_without_an_optimizer_no_compressed_plan_can_be_proven():
     decision, _, rejected = decide_time_to_accuracy(MEASURED, unprovable("no optimizer"))
     assert decision.chosen == "bf16" and all("no optimizer" in r for r in rejected)

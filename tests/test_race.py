@@ -43,7 +43,7 @@ def run_race(race, hook, step_s, max_steps=500):
     raise AssertionError("the race never ended")
 
 
-def test_each_round_gives_every_arm_a_settling_step_and_its_timed_steps_in_turn():
+def test_each_round_gives_every_arm_a_settling_step_and_its_timed_steps_in_turn_starting_one_arm_later():
     hook = RecordingHook()
     race = Race(ARMS, hook, steps=3, min_rounds=3, max_rounds=3)
     seen = []
@@ -54,9 +54,14 @@ def test_each_round_gives_every_arm_a_settling_step_and_its_timed_steps_in_turn(
 
     steps = run_race(race, hook, step_s)
     assert steps == 3 * race.steps_per_round == 3 * 3 * (TRIAL_SETTLE + 3)
-    assert seen[: race.steps_per_round] == ["fp32"] * 4 + ["fp16"] * 4 + ["c1"] * 4
+    per_round = race.steps_per_round
+    assert seen[:per_round] == ["fp32"] * 4 + ["fp16"] * 4 + ["c1"] * 4
+    # no arm always follows the same one: round 2 starts at the second arm, round 3 at the third
+    assert seen[per_round: 2 * per_round] == ["fp16"] * 4 + ["c1"] * 4 + ["fp32"] * 4
+    assert seen[2 * per_round:] == ["c1"] * 4 + ["fp32"] * 4 + ["fp16"] * 4
+    # the round times stay with their arms whatever the order they ran in
     assert {k: pytest.approx(v) for k, v in race.round_s.items()} == {"fp32": [0.2] * 3, "fp16": [0.15] * 3, "c1": [0.1] * 3}
-    assert len(hook.reasons) == 9 and hook.reasons[3] == "online race: fp32, round 2"
+    assert len(hook.reasons) == 9 and hook.reasons[3] == "online race: fp16, round 2"
 
 
 def test_the_settling_step_is_left_out_of_the_timing():
@@ -107,3 +112,22 @@ def test_rounds_pair_the_arms_so_drift_between_rounds_cancels():
     decision = decide(race.measurements())
     assert race.rounds == 3 and decision.chosen == "c1"
     assert abs(decision.gain_vs_best_baseline - 1 / 0.9) < 1e-6 and decision.margin < 1e-6
+
+
+def test_autotunes_live_rounds_start_one_plan_later_each_round_and_warm_each_model_up_once():
+    from advisor.tuning.live import _interleaved
+
+    calls = []
+
+    def run(label, settle, finite):
+        calls.append((label, settle))
+        finite.append(True)
+        return {"fp32": 0.2, "a": 0.1, "b": 0.15}[label]
+
+    # "b" runs on a shadow built with smaller DDP buckets: a model of its own, with its own bucket rebuild
+    models = {"fp32": "native", "a": None, "b": 1.0}
+    result = {label: [] for label in models}
+    _interleaved(list(models), run, models.get, result, 3, None, None, 2, None, None)
+    assert [label for label, _ in calls] == ["fp32", "a", "b", "a", "b", "fp32", "b", "fp32", "a"]
+    assert [settle for _, settle in calls[:3]] == [2, 2, 2] and all(settle == 1 for _, settle in calls[3:])
+    assert result == {"fp32": [0.2] * 3, "a": [0.1] * 3, "b": [0.15] * 3}

@@ -6,6 +6,8 @@ Everything drawn here is computed by the library (:mod:`advisor.tuning.results`,
 
 from __future__ import annotations
 
+import statistics
+
 import numpy as np
 from rich.console import Console
 
@@ -20,6 +22,12 @@ def render_result(result, console: Console | None = None) -> None:
                   f"{result.description}[/bold]")
     console.print(f"Why: {result.reason}")
     render_evidence(result, console)
+    for r in getattr(result, "retimed", []):
+        console.print(
+            f"Re-timed after the race: {r.label} {statistics.median(r.plan_s) * 1e3:.1f} vs {r.baseline} "
+            f"{statistics.median(r.baseline_s) * 1e3:.1f} ms/step, the two alone in {len(r.plan_s)} rounds of "
+            f"{r.steps} steps: {r.speedup:.2f}x per step ({r.low:.2f}-{r.high:.2f}, 95%); the race had said "
+            f"{r.race_speedup:.2f}x")
     floor = result.predicted_s.get("compute_only")
     if floor:
         console.print(f"Compute-only floor (backward with communication off, measured by the profiler): "
@@ -84,7 +92,8 @@ def render_evidence(result, console) -> None:
                       _bounded(e.step_speedup, e.step_low, e.step_high),
                       _bounded(e.efficiency, e.efficiency_low, e.efficiency_high),
                       _bounded(e.time_to_accuracy, e.tta_low, e.tta_high),
-                      e.status or ("baseline" if e.kind == "fp32" else "not trialled")])
+                      (e.status or ("baseline" if e.kind == "fp32" else "not trialled"))
+                      + ("; per step re-timed" if getattr(e, "retimed", False) else "")])
     title = ("Against the best baseline" + (f" ({base})" if base else "") + ", with 95% bounds: speed-up per step "
              "(live), step efficiency (fp32 steps per step, from the accuracy trial), speed-up to the same accuracy")
     table = fitted_table(title, ("plan", "ms/step", "per step", "efficiency", "to accuracy", "verdict"), cells,

@@ -17,9 +17,11 @@ batches (a list, or the DataLoader itself: batches are drawn as they are needed)
    rounds while the comparison that decides is still unresolved.
 5. Do no harm to the time to accuracy: a compressed plan is installed only when the trial
    proves it within the tolerance of fp32 and the lower bound of its time-to-accuracy
-   speed-up (step speed-up x step efficiency) beats the best baseline.  Where the evidence
-   cannot be had in the budget, the advice is the baseline, with what a trial would need.
-   Rank 0 decides and broadcasts.
+   speed-up (step speed-up x step efficiency) beats the best baseline.  The step speed-up
+   it rests on is measured again once the trial has proven the plan: the plan alone beside
+   the best baseline, in longer turns (the race's winner is favoured by its own race time).
+   Where the evidence cannot be had in the budget, the advice is the baseline, with what a
+   trial would need.  Rank 0 decides and broadcasts.
 6. The chosen plan is installed on the user's model, unless the advice is fp32: then
    no hook is installed at all (native DDP is the fastest fp32 path).
 """
@@ -52,6 +54,7 @@ from advisor.tuning.results import AutotuneResult, TunedResult, bucket_rows, pla
 from advisor.tuning.steps import (
     DEFAULT_CANDIDATES,
     DEFAULT_TRIAL_SHARE,
+    RETIME_LONGER,
     Arm,
     LazyTrial,
     baseline_arms,
@@ -61,6 +64,7 @@ from advisor.tuning.steps import (
     fidelity_error,
     final_plan,
     not_ddp,
+    retimer,
     search,
     search_layouts,
     settled,
@@ -68,11 +72,12 @@ from advisor.tuning.steps import (
     short_list,
     sixteen_bit_baseline,
     trial_budget,
+    turn_steps,
     unprovable,
 )
 from policies import accuracy_gate as gate
 from policies.base import Policy
-from policies.do_no_harm import FP32, SIXTEEN_BIT, LiveMeasurement
+from policies.do_no_harm import FP32, SIXTEEN_BIT, LiveMeasurement, Retiming
 from policies.greedy import GreedyPolicy
 from policies.learned import MeasurementSet, plan_features
 from policies.optuna_search import OptunaPolicy
@@ -265,7 +270,12 @@ def autotune(
         judge = unprovable("no optimizer was given, so no accuracy trial could run; pass the training optimizer")
     else:
         judge = None
-    decision, checked, _ = decide_time_to_accuracy(measured, judge, min_gain=min_gain, group=group)
+    retimings: list[Retiming] = []
+    retime = retimer(_measurer(ddp_model, loss_fn, batches, optimizer, group, say), arms,
+                     turn=lambda arm: turn_steps(arm, RETIME_LONGER * steps, RETIME_LONGER * measure_s),
+                     max_rounds=max_rounds, min_gain=min_gain, say=say, record=retimings)
+    decision, checked, _ = decide_time_to_accuracy(measured, judge, min_gain=min_gain, group=group,
+                                                   retime=retime if judge is not None else None)
     if checked and trial is not None:
         checked = f"in autotune's {trial.trial.report().steps}-step trial: {checked}"
     t_decided = time.perf_counter()
@@ -277,13 +287,15 @@ def autotune(
     hook = install(ddp_model, final, group=group) if install_plan and decision.kind != FP32 else None
 
     verdicts = trial.verdicts() if trial is not None else {}
+    retime_s = sum(r.seconds for r in retimings)
     result = _result(problem, found, top, decision, measured, rounds_s, arms, final, profile, where, layout_lines,
                      trial.report(problem.budget, budget_source) if trial is not None else None, budget_source,
                      plan_evidence(measured, decision, verdicts),
                      "" if accuracy_trial else "accuracy_trial=False: decided on speed per step alone",
-                     {"profile": t_profiled - t_start, "accuracy": (t_trialled - t_profiled) + (t_decided - t_measured),
-                      "search": t_searched - t_trialled, "measure": t_measured - t_measuring,
-                      "total": time.perf_counter() - t_start})
+                     {"profile": t_profiled - t_start,
+                      "accuracy": (t_trialled - t_profiled) + (t_decided - t_measured) - retime_s,
+                      "search": t_searched - t_trialled, "measure": t_measured - t_measuring, "retime": retime_s,
+                      "total": time.perf_counter() - t_start}, retimings)
     if measurements_path is not None and rank(group) == 0:
         _append_measurements(measurements_path, result.measurements)
     return TunedResult.beside(result, hook)
@@ -357,12 +369,21 @@ def _measure(ddp_model, loss_fn, batches, optimizer, arms: dict[str, Arm], round
     decide are unresolved (:func:`settled`).
     """
     plans = {label: arm.plan for label, arm in arms.items() if arm.kind != FP32}
-    plan_steps = {label: max(1, min(steps, math.ceil(measure_s / max(arm.predicted_s, 1e-6))))
-                  for label, arm in arms.items()}
+    plan_steps = {label: turn_steps(arm, steps, measure_s) for label, arm in arms.items()}
     say(f"measuring {len(plans) + 1} plans live, {rounds} interleaved rounds (up to {max_rounds} while unresolved)")
     return measure_plans(ddp_model, loss_fn, batches, optimizer, plans, rounds=rounds, steps=plan_steps,
                          max_rounds=max_rounds, settled=lambda r: settled(_measurements_of(arms, r), min_gain),
                          group=group, progress=say)
+
+
+def _measurer(ddp_model, loss_fn, batches, optimizer, group, say):
+    """The re-timing's ``measure``: the arms given, interleaved, fp32 natively and plans on a shadow."""
+    def measure(pair: Mapping[str, Arm], steps: Mapping[str, int], rounds: int, max_rounds: int, settled_when):
+        plans = {label: arm.plan for label, arm in pair.items() if arm.kind != FP32}
+        native = any(arm.kind == FP32 for arm in pair.values())
+        return measure_plans(ddp_model, loss_fn, batches, optimizer, plans, native=native, rounds=rounds,
+                             steps=dict(steps), max_rounds=max_rounds, settled=settled_when, group=group, progress=say)
+    return measure
 
 
 def _measurements_of(arms: dict[str, Arm], rounds_s: Mapping[str, list[float]]) -> list[LiveMeasurement]:
@@ -422,7 +443,8 @@ def _earn_budget(problem, trial: LazyTrial, lossy: Sequence[str], sixteen: str |
 
 def _result(problem, found, top: int, decision, measured, rounds_s, arms: dict[str, Arm], final, profile, where: str,
             layout_lines: list[str],
-            accuracy, budget_source: str, evidence, unproven: str, seconds: dict[str, float]) -> AutotuneResult:
+            accuracy, budget_source: str, evidence, unproven: str, seconds: dict[str, float],
+            retimed: list[Retiming]) -> AutotuneResult:
     """The result document: what was searched, measured, trialled and chosen, and what it cost."""
     where = where or profile.environment.note or "this cluster"
     by_label = {m.label: m for m in measured}
@@ -462,6 +484,7 @@ def _result(problem, found, top: int, decision, measured, rounds_s, arms: dict[s
         fidelity_measure=problem.fidelity_measure,
         evidence=evidence,
         accuracy_unproven=unproven,
+        retimed=retimed,
     )
 
 

@@ -5,8 +5,9 @@ with the compression hook, so the user's model keeps no hook (DDP takes one hook
 model, forever) unless the advice is to compress.  The native fp32 baseline runs on the
 user's own DDP model, whose parameters and optimizer state are saved before and restored
 after.  Plans are measured in interleaved rounds, so drift on a shared machine hits all
-of them alike; each round's median step time is all-reduced with MAX (the slowest rank
-sets the pace), so every rank holds the same numbers.
+of them alike, and each round starts one plan later than the last, so that no plan always
+follows the same one; each round's median step time is all-reduced with MAX (the slowest
+rank sets the pace), so every rank holds the same numbers.
 """
 
 from __future__ import annotations
@@ -189,7 +190,10 @@ def measure_plans(
                 hook.set_plan(plans[label], reason=f"live measurement of {label}", verify=False)
                 return timed_steps(shadow, loss_fn, batches, shadow_opt, per_label[label], settle, finite=finite)
 
-            _interleaved(labels, run, result, rounds, max_rounds, settled, warmup, group, progress)
+            def model_of(label: str):
+                return "native" if label == "fp32" else plans[label].bucket_cap_mb
+
+            _interleaved(labels, run, model_of, result, rounds, max_rounds, settled, warmup, group, progress)
     finally:
         for _, _, hook in shadows.values():
             hook.close()
@@ -234,7 +238,8 @@ def measure_sharded_plans(
                 switch.set(plans[label])
                 return timed_steps(model, loss_fn, batches, optimizer, per_label[label], settle, finite=finite)
 
-            _interleaved(labels, run, result, rounds, max_rounds, settled, warmup, group, progress)
+            _interleaved(labels, run, lambda label: "model", result, rounds, max_rounds, settled, warmup, group,
+                         progress)
     finally:
         switch.restore()
     return result
@@ -251,40 +256,46 @@ def _steps_per_label(labels: Sequence[str], steps: int | Mapping[str, int], roun
     return per_label
 
 
-def _interleaved(labels: Sequence[str], run, result: dict[str, list[float]], rounds: int, max_rounds: int | None,
-                 settled, warmup: int, group, progress) -> None:
+def _interleaved(labels: Sequence[str], run, model_of, result: dict[str, list[float]], rounds: int,
+                 max_rounds: int | None, settled, warmup: int, group, progress) -> None:
     """``rounds`` interleaved rounds into ``result``, then more while ``settled(result)`` is False, up to
     ``max_rounds`` (every rank holds the same result, so every rank stops at the same round)."""
-    used: set[str] = set()
+    used: set = set()
     r = 0
     while r < rounds or (settled is not None and r < (max_rounds or rounds) and not settled(result)):
         announce = (lambda label, r=r: progress(f"round {r + 1}/{max(rounds, r + 1)}: {label}")) if progress else None
-        for label, seconds in _round(labels, run, used, warmup, group, announce).items():
+        for label, seconds in _round(labels, r, run, model_of, used, warmup, group, announce).items():
             result[label].append(seconds)
         r += 1
 
 
-def _round(labels: Sequence[str], run: Callable[[str, int, list[bool]], float], used: set[str], warmup: int,
-           group, announce: Callable[[str], None] | None = None) -> dict[str, float]:
-    """One interleaved round: each label's median step time, the slowest rank's.
+def _round(labels: Sequence[str], index: int, run: Callable[[str, int, list[bool]], float], model_of,
+           used: set, warmup: int, group, announce: Callable[[str], None] | None = None) -> dict[str, float]:
+    """Round ``index``: each label's median step time, the slowest rank's.
+
+    The round starts at label ``index`` (mod their number) and wraps: a plan that always ran
+    right after the same other one would carry whatever that one leaves behind (a busy link,
+    a cold cache) in every round, a bias that pairing by round cannot show.
 
     ``run(label, settle, finite)`` times the label's steps after ``settle`` untimed ones and
     appends whether each loss was finite.  A model's first steps include DDP's bucket
-    rebuild: ``warmup`` settle steps the first time each model runs (``used`` remembers
-    which did), afterwards one step settles a new plan.
+    rebuild: ``warmup`` settle steps the first time each model (``model_of(label)``) runs
+    (``used`` remembers which did), afterwards one step settles a new plan.
     """
-    local, bad = [], []
-    for label in labels:
+    start = index % len(labels)
+    order = list(labels[start:]) + list(labels[:start])
+    local, bad = {}, {}
+    for label in order:
         if announce is not None:
             announce(label)
-        which = "native" if label == "fp32" else "shadow"
-        settle = warmup if which not in used else min(warmup, 1)
-        used.add(which)
+        model = model_of(label)
+        settle = warmup if model not in used else min(warmup, 1)
+        used.add(model)
         finite: list[bool] = []
-        local.append(run(label, settle, finite))
-        bad.append(0.0 if all(finite) else 1.0)
-    # one collective carries every rank's times and non-finite flags
-    merged = slowest(local + bad, group)
+        local[label] = run(label, settle, finite)
+        bad[label] = 0.0 if all(finite) else 1.0
+    # one collective carries every rank's times and non-finite flags, in the labels' own order
+    merged = slowest([local[label] for label in labels] + [bad[label] for label in labels], group)
     diverged = [label for label, flag in zip(labels, merged[len(labels):]) if flag > 0]
     if diverged:
         raise FloatingPointError(
@@ -292,4 +303,3 @@ def _round(labels: Sequence[str], run: Callable[[str, int, list[bool]], float], 
             "and optimizer are restored. Check the batches and learning rate (a plan whose loss "
             "diverges is unusable)")
     return dict(zip(labels, merged[: len(labels)]))
-

@@ -15,13 +15,14 @@ from advisor.runtime.plan import Plan
 from advisor.tuning.accuracy import AccuracyTrialReport
 from advisor.tuning.online.tuner import OnlineTuner
 from policies.baselines import SIXTEEN_BIT
-from policies.do_no_harm import FP32, LiveMeasurement, step_speedup
+from policies.do_no_harm import FP32, LiveMeasurement, Retiming, step_speedup
 from policies.evidence import Estimate, time_to_accuracy
 from policies.learned import Measurement
 
 RESULT_KIND = "compression-advisor/autotune-result"
-#: 2: the time-to-accuracy evidence of every measured plan (``evidence``), ``accuracy_unproven``
-RESULT_VERSION = 2
+#: 2: the time-to-accuracy evidence of every measured plan (``evidence``), ``accuracy_unproven``;
+#: 3: the chosen plan's step speed-up measured again after the race (``retimed``)
+RESULT_VERSION = 3
 
 
 @dataclass
@@ -45,7 +46,9 @@ class PlanEvidence:
     one-sided bounds: the step speed-up (interleaved rounds), the step efficiency (fp32 steps
     per step, from the accuracy trial) and their product, the time-to-accuracy speed-up.
     ``status``: the trial's verdict (accepted, rejected, not proven), "" where the plan was
-    not trialled; the efficiency and the time to accuracy are None where it was not read."""
+    not trialled; the efficiency and the time to accuracy are None where it was not read.
+    ``retimed``: the step speed-up is the re-timing's (the plan alone beside the baseline
+    after the race chose it), not the race's."""
 
     label: str
     kind: str
@@ -59,6 +62,7 @@ class PlanEvidence:
     tta_low: float | None = None
     tta_high: float | None = None
     status: str = ""
+    retimed: bool = False
 
 
 def plan_evidence(measured: Sequence[LiveMeasurement], decision, verdicts: Mapping[str, Any]) -> list[PlanEvidence]:
@@ -69,10 +73,13 @@ def plan_evidence(measured: Sequence[LiveMeasurement], decision, verdicts: Mappi
     rows = []
     for m in sorted(measured, key=lambda m: m.median_s):
         step = step_speedup(base, m) if m.label != base.label else Estimate(1.0, 0.0)
+        retimed = m.label == decision.chosen and decision.retimed is not None
+        if retimed:
+            step = decision.retimed
         arm = verdicts.get(m.label)
         efficiency = Estimate(1.0, 0.0) if m.kind == FP32 else (arm.efficiency_estimate() if arm else None)
         row = PlanEvidence(m.label, m.kind, step.value, step.lower(), step.upper(),
-                           status=arm.status if arm is not None else "")
+                           status=arm.status if arm is not None else "", retimed=retimed)
         if efficiency is not None:
             tta = time_to_accuracy(step, efficiency)
             row.efficiency, row.efficiency_low, row.efficiency_high = (efficiency.value, efficiency.lower(),
@@ -135,6 +142,9 @@ class AutotuneResult(VersionedDocument):
     #: (``exchange_mb``: DDP's buckets exchanged together up to that many MiB; None: DDP's own)
     layouts: list[str] = field(default_factory=list)
     exchange_mb: float | None = None
+    #: every proven plan's step speed-up measured again after the race chose it (the last one
+    #: is the advice's where the advice compresses)
+    retimed: list[Retiming] = field(default_factory=list)
     kind: str = RESULT_KIND
     version: int = RESULT_VERSION
 

@@ -53,15 +53,17 @@ from advisor.tuning.live import LossFn, measure_sharded_plans
 from advisor.tuning.results import PlanEvidence, plan_evidence
 from advisor.tuning.steps import (
     DEFAULT_TRIAL_SHARE,
+    RETIME_LONGER,
     Arm,
     check_trial_budget,
     decide_time_to_accuracy,
+    retimer,
     settled,
     trial_budget,
     unprovable,
 )
 from policies import accuracy_gate as gate
-from policies.do_no_harm import CANDIDATE, FP32, SIXTEEN_BIT, LiveMeasurement, step_speedup
+from policies.do_no_harm import CANDIDATE, FP32, SIXTEEN_BIT, LiveMeasurement, Retiming, step_speedup
 from policies.sharded import ShardedProblem, search_sharded
 from profilers.sharded import ShardedProfile, check_sharded_configs, profile_sharded
 from profilers.training_state import clone_optimizer, preferred_sixteen_bit
@@ -79,7 +81,8 @@ class ShardedAutotuneResult(VersionedDocument):
 
     what = "sharded autotune result"
     KIND = SHARDED_RESULT_KIND
-    VERSION = 1
+    #: 2: the chosen plan's step speed-up measured again after the race (``retimed``)
+    VERSION = 2
     REDO = "run autotune_sharded again with this version"
 
     recommendation: str
@@ -97,8 +100,10 @@ class ShardedAutotuneResult(VersionedDocument):
     seconds: dict[str, float] = field(default_factory=dict)
     #: per rank: the sharded parameters' bytes and the installed plan's residuals' (error feedback)
     memory: dict[str, int] = field(default_factory=dict)
+    #: every proven plan's step speed-up measured again after the race chose it
+    retimed: list[Retiming] = field(default_factory=list)
     kind: str = SHARDED_RESULT_KIND
-    version: int = 1
+    version: int = 2
 
     def installed_plan(self) -> Plan:
         return Plan.from_dict(self.plan)
@@ -115,7 +120,11 @@ class ShardedAutotuneResult(VersionedDocument):
             status = f" [{e.status}]" if e.status else ""
             median = next(m.median_s for m in self.measured if m.label == e.label)
             lines.append(f"  {e.label}: {median * 1e3:.1f} ms/step, {e.step_speedup:.2f}x per step "
-                         f"({e.step_low:.2f}-{e.step_high:.2f}){tta}{status}")
+                         f"({e.step_low:.2f}-{e.step_high:.2f}{', re-timed' if e.retimed else ''}){tta}{status}")
+        for r in self.retimed:
+            lines.append(f"  re-timed after the race: {r.label} beside {r.baseline}, the two alone in {len(r.plan_s)} "
+                         f"rounds of {r.steps} steps: {r.speedup:.2f}x per step ({r.low:.2f}-{r.high:.2f}); the race "
+                         f"had said {r.race_speedup:.2f}x")
         return lines
 
 
@@ -258,8 +267,18 @@ def autotune_sharded(
         judge = unprovable("no optimizer was given, so no accuracy trial could run; pass the training optimizer")
     else:
         judge = None
-    decision, checked, _ = decide_time_to_accuracy(measured, judge, group=group)
+    def measure(pair, steps_of, rounds_, max_rounds_, settled_when):
+        return measure_sharded_plans(model, loss_fn, timing, optimizer, {k: a.plan for k, a in pair.items()},
+                                     rounds=rounds_, steps=dict(steps_of), max_rounds=max_rounds_,
+                                     settled=settled_when, group=group, progress=say)
+
+    retimings: list[Retiming] = []
+    retime = retimer(measure, arms, turn=lambda arm: RETIME_LONGER * steps, max_rounds=max_rounds, say=say,
+                     record=retimings)
+    decision, checked, _ = decide_time_to_accuracy(measured, judge, group=group,
+                                                   retime=retime if judge is not None else None)
     t_decided = time.perf_counter()
+    retime_s = sum(r.seconds for r in retimings)
 
     # 6. install
     keep_fsdp_unless_exact_is_faster(decision, measured)
@@ -276,9 +295,10 @@ def autotune_sharded(
         predicted_s={label: a.predicted_s for label, a in arms.items() if not math.isnan(a.predicted_s)},
         budget=problem.budget, budget_reason=budget_reason,
         accuracy=trial.report() if trial is not None else None,
-        memory=_memory(model, installed),
-        seconds={"profile": t_profiled - t_start, "accuracy": (t_trialled - t_profiled) + (t_decided - t_measured),
-                 "measure": t_measured - t_measuring, "total": time.perf_counter() - t_start})
+        memory=_memory(model, installed), retimed=retimings,
+        seconds={"profile": t_profiled - t_start,
+                 "accuracy": (t_trialled - t_profiled) + (t_decided - t_measured) - retime_s,
+                 "measure": t_measured - t_measuring, "retime": retime_s, "total": time.perf_counter() - t_start})
 
 
 def sharded_arms(problem: ShardedProblem, found: Sequence[np.ndarray], sixteen: str | None) -> dict[str, Arm]:

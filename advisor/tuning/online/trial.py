@@ -26,7 +26,8 @@ class Race:
     After ``min_rounds`` rounds, more follow while the comparisons that decide are unresolved
     (:func:`advisor.tuning.steps.settled`), up to ``max_rounds``: the race stops once it is
     decided, or once more rounds are no longer worth their steps.  Every rank holds the same
-    round times, so every rank stops at the same step.
+    round times, so every rank stops at the same step.  Each round starts one arm later than
+    the last (as autotune's rounds do), so that no arm always follows the same one.
     """
 
     name = TRIAL
@@ -43,7 +44,7 @@ class Race:
         self._order = list(arms)
         self._turn = 0  # index of the arm training now
         self._times: list[float] = []  # this turn's timed steps (this rank)
-        self._local: list[float] = []  # this round's medians so far (this rank)
+        self._local: dict[str, float] = {}  # this round's medians so far (this rank), by label
         self._count = 0
         self._last_start = 0.0
 
@@ -67,15 +68,16 @@ class Race:
         self._last_start = now
         if len(self._times) < self.steps:
             return False
-        self._local.append(statistics.median(self._times))
+        self._local[self._arm_now().label] = statistics.median(self._times)
         self._turn += 1
         if self._turn < len(self._order):
             self._begin_turn(now)
             return False
         # the round is complete: one collective gives every rank the slowest rank's medians
-        for arm, seconds in zip(self._order, slowest(self._local, self.group)):
+        medians = slowest([self._local[arm.label] for arm in self._order], self.group)
+        for arm, seconds in zip(self._order, medians):
             self.round_s[arm.label].append(seconds)
-        self._local, self._turn = [], 0
+        self._local, self._turn = {}, 0
         done = self._done()
         if say is not None:
             say(f"race round {self.rounds}: " + ", ".join(f"{label} {r[-1] * 1e3:.1f} ms" for label, r in
@@ -103,7 +105,11 @@ class Race:
         return [LiveMeasurement(label, self.arms[label].kind, list(rounds), self.arms[label].predicted_s,
                                 self.arms[label].description) for label, rounds in self.round_s.items()]
 
+    def _arm_now(self) -> Arm:
+        """The arm whose turn it is: round ``r`` starts at arm ``r`` and wraps."""
+        return self._order[(self.rounds + self._turn) % len(self._order)]
+
     def _begin_turn(self, now: float) -> None:
-        arm = self._order[self._turn]
+        arm = self._arm_now()
         self.hook.set_plan(arm.plan, reason=f"online race: {arm.label}, round {self.rounds + 1}", verify=False)
         self._times, self._count, self._last_start = [], 0, now
