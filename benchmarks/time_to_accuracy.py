@@ -122,7 +122,9 @@ def _evidence(result: dict) -> str:
         power += f" ({reason[:120]}{'...' if len(reason) > 120 else ''})"
     tta = (f"{row['time_to_accuracy']:.2f}x ({row['tta_low']:.2f}-{row['tta_high']:.2f})"
            if row and row["time_to_accuracy"] is not None else "-")
-    return f"{result['description']} [to accuracy {tta}; {power}]"
+    again = [f"re-timed {r['label']} {r['speedup']:.2f}x ({r['low']:.2f}-{r['high']:.2f}) per step vs {r['baseline']}, "
+             f"race {r['race_speedup']:.2f}x" for r in result.get("retimed", [])]
+    return f"{result['description']} [to accuracy {tta}; {power}" + "".join(f"; {a}" for a in again) + "]"
 
 
 def _agree(results: list[dict]) -> bool:

@@ -255,3 +255,32 @@ def test_a_cast_in_another_layout_shares_the_casts_one_accuracy_verdict():
     assert len(Trial.calls) == 1  # one trial of the cast, whatever its layout
     label, plan, kind = Trial.calls[0]
     assert (label, kind, plan.bucket_cap_mb, plan.exchange_mb) == ("fp16", gate.SIXTEEN_BIT, None, None)
+
+
+def test_the_advices_evidence_shows_the_re_timed_step_speed_up_and_survives_json():
+    from rich.console import Console
+
+    from advisor.runtime import Plan
+    from advisor.tuning.results import AutotuneResult, plan_evidence
+    from policies.do_no_harm import Retiming, decide
+
+    measured = MEASURED[:3]
+    decision = decide(measured)
+    decision.retimed = ev.paired_speedup([0.200, 0.204, 0.198], [0.180, 0.186, 0.181])
+    timing = Retiming("c1", "bf16", 9, [0.180, 0.186, 0.181], [0.200, 0.204, 0.198], decision.retimed.value,
+                      decision.retimed.lower(), decision.retimed.upper(), decision.step.value, 12.5)
+    evidence = plan_evidence(measured, decision, {"c1": verdict("c1", gate.ACCEPTED, 0.99, se=0.004)})
+    row = next(e for e in evidence if e.label == "c1")
+    assert row.retimed and row.step_speedup == pytest.approx(decision.retimed.value)
+    assert row.time_to_accuracy == pytest.approx(decision.retimed.value * 0.99)
+    result = AutotuneResult(
+        plan=Plan.uniform("fp16").to_dict(), recommendation="c1", compress=True, description="c1", reason="why",
+        predicted_s={}, measured=measured, speedup={}, fidelity_error=0.1, fidelity_budget=0.2, reference=None,
+        policy="optuna", policy_evaluations=1, seconds={}, world_size=2, where="here", evidence=evidence,
+        retimed=[timing])
+    assert AutotuneResult.from_json(result.to_json()) == result
+    console = Console(width=120, record=True)
+    result.render(console)
+    shown = console.export_text()
+    assert "Re-timed after the race: c1 181.0 vs bf16 200.0 ms/step, the two alone in 3 rounds of 9 steps: 1.10x" in shown
+    assert "the race had said 1.99x" in shown and "per step re-timed" in shown
