@@ -193,6 +193,19 @@ def test_compression_is_recommended_only_beyond_the_measured_noise():
     assert not d.compress and d.chosen == "fp16" and "noise" in d.reason
 
 
+def test_a_candidate_shown_faster_is_not_hidden_by_a_noisier_one_with_a_lower_median():
+    # c1's median is lower, but one round in three it is slower than fp16; c2 is faster in every round
+    measured = [m("fp32", "fp32", 300, 302, 301), m("fp16", "16-bit", 200, 201, 202),
+                m("c1", "candidate", 120, 125, 290), m("c2", "candidate", 150, 151, 152)]
+    d = decide(measured)
+    assert d.compress and d.chosen == "c2" and d.best_candidate == "c2"
+    assert "c1 stepped faster (125.0 ms) but is not shown faster than fp16" in d.reason
+    # with none shown faster, the fastest is the one named, and the baseline stands
+    measured[3] = m("c2", "candidate", 150, 151, 290)
+    d = decide(measured)
+    assert not d.compress and d.chosen == "fp16" and d.best_candidate == "c1"
+
+
 def test_sixteen_bit_must_beat_fp32_beyond_noise_too():
     d = decide([m("fp32", "fp32", 100, 110, 105), m("fp16", "16-bit", 102, 103, 101), m("c", "candidate", 104, 105, 106)])
     assert d.chosen == "fp32" and not d.compress

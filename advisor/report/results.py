@@ -34,7 +34,7 @@ def render_result(result, console: Console | None = None) -> None:
                       f"{floor * 1e3:.1f} ms/step")
     s = result.speedup
     console.print(
-        f"Step speed-up of the advice: measured {s.get('measured_vs_fp32', float('nan')):.2f}x vs fp32, "
+        f"Step speed-up of the advice: in the race {s.get('measured_vs_fp32', float('nan')):.2f}x vs fp32, "
         f"{s.get('measured_vs_16bit', float('nan')):.2f}x vs 16-bit; predicted "
         f"{s.get('predicted_vs_fp32', float('nan')):.2f}x / {s.get('predicted_vs_16bit', float('nan')):.2f}x. "
         f"Fidelity ({result.fidelity_measure}) error {result.fidelity_error:.3g}, budget {result.fidelity_budget:.3g}: "
