@@ -151,6 +151,9 @@ def row(task: str, rate: str | None, optimizer: str, data: str, steps: int, repe
     advised = Plan.from_dict(report.plan)
     compresses = any(c.label not in BASELINES for c in advised.configs())
     gap, noise = report.gap(), report.noise()
+    # the last checkpoint alone is as noisy as the two fp32 orders are apart; the mean over the
+    # last few is shown beside it, for the plan and for the other fp32 order alike
+    late = {label: _late_gap(report, label) for label in ("plan", NOISE)}
     accuracy_ok = gap <= 0.01 or not compresses
     tta = report.time_to_target_s
     best_base = min((t for t in (tta["fp32"], tta[sixteen.label]) if t is not None), default=None)
@@ -171,9 +174,31 @@ def row(task: str, rate: str | None, optimizer: str, data: str, steps: int, repe
             "step_noise": {a.label: a.step_noise for a in report.arms}, "time_to_target_s": tta,
             "order_noise": order_noise, "time_noise": time_noise,
             "speedup": report.speedup, "vs_16bit_at_least": vs16, "target": report.target, "gap": gap,
-            "final_noise": noise, "accuracy_ok": accuracy_ok, "time_ok": time_ok, "speedup_ok": speed_ok,
+            "final_noise": noise, "late_gap": late, "accuracy_ok": accuracy_ok, "time_ok": time_ok, "speedup_ok": speed_ok,
             "autotune_s": [r["seconds"]["total"] for r in results], "wall_s": time.perf_counter() - t0,
             "report": report.to_dict()}
+
+
+#: the late checkpoints averaged beside the final one
+LATE_CHECKPOINTS = 5
+
+
+def _late_gap(report, label: str) -> float | None:
+    """The arm's mean relative gap behind fp32 over the last :data:`LATE_CHECKPOINTS` checkpoints
+    (positive: worse); None where the report has no such arm."""
+    try:
+        arm, fp32 = report.arm(label), report.arm("fp32")
+    except KeyError:
+        return None
+    # an arm may train on past the step the arms are compared at (to reach the target): align by step
+    at = arm.compared_at or fp32.steps[-1]
+    mine = dict(zip(arm.steps, arm.metrics[report.metric]))
+    theirs = dict(zip(fp32.steps, fp32.metrics[report.metric]))
+    common = [s for s in fp32.steps if s in mine and s <= at][-LATE_CHECKPOINTS:]
+    if not common:
+        return None
+    sign = -1.0 if report.higher_is_better else 1.0
+    return sum(sign * (mine[s] - theirs[s]) / max(abs(theirs[s]), 1e-12) for s in common) / len(common)
 
 
 def show(r: dict) -> None:
@@ -183,6 +208,10 @@ def show(r: dict) -> None:
         print(f"    call {i + 1}: {text}")
     print("    final loss: " + ", ".join(f"{k} {v:.4f}" for k, v in r["final"].items())
           + f"; advice vs fp32 {r['gap']:+.2%}, fp32 vs fp32 (other order) {r['final_noise']:.2%}")
+    late = r.get("late_gap") or {}
+    if late.get("plan") is not None and late.get(NOISE) is not None:
+        print(f"    mean gap behind fp32 over the last {LATE_CHECKPOINTS} checkpoints: advice {late['plan']:+.2%}, "
+              f"fp32 (other order) {late[NOISE]:+.2%}")
     print("    ms/step: " + ", ".join(f"{k} {v:.1f} (±{r['step_noise'][k]:.1%})" for k, v in r["ms_per_step"].items()))
     s16 = r["vs_16bit_at_least"]
     print(f"    time to {r['target']:.4f}: " + ", ".join(f"{k} {v}" for k, v in tta.items())

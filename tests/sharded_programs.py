@@ -191,7 +191,32 @@ def autotune_wide(rank: int, world_size: int, kwargs: dict, build: str = "same")
     full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     again = ShardedAutotuneResult.from_json(result.to_json())
     return {"error": None, "result": result.to_dict(), "round_trip": again.to_dict() == result.to_dict(),
-            "kept": kept, "comms": comms, "full": full, "summary": result.summary()}
+            "kept": kept, "comms": comms, "full": full, "summary": result.summary(),
+            "retimed": _retime_bf16(model, opt, batches)}
+
+
+def _retime_bf16(model, opt, batches) -> dict:
+    """autotune_sharded's re-timing of a proven plan (bf16 as one) beside FSDP's own path, on the model itself."""
+    from advisor.runtime import Plan
+    from advisor.tuning.sharded import NATIVE, sharded_measurer
+    from advisor.tuning.steps import Arm, retimer
+    from policies.do_no_harm import CANDIDATE, FP32, Decision
+    from policies.evidence import Estimate
+
+    class Proven:
+        def efficiency_estimate(self):
+            return Estimate(1.0, 0.005, 20)
+
+    arms = {NATIVE: Arm(NATIVE, FP32, Plan.uniform("none", warmup_steps=0), None, "fp32", float("nan")),
+            "c": Arm("c", CANDIDATE, Plan.uniform("bf16", warmup_steps=0), None, "bf16 as a candidate", float("nan"))}
+    record, said = [], []
+    before = {n: _local(p) for n, p in model.named_parameters()}
+    retime = retimer(sharded_measurer(model, _cross_entropy, batches[:4], opt, None, said.append), arms,
+                     turn=lambda arm: 1, max_rounds=3, say=said.append, record=record)
+    retime(Decision("c", CANDIDATE, True, NATIVE, "c", 0.1, 2.0, "race", step=Estimate(2.0, 0.01, 2)), Proven())
+    kept = all(torch.equal(before[n], _local(p)) for n, p in model.named_parameters())
+    return {"record": [(r.label, r.baseline, r.steps, len(r.plan_s), r.race_speedup) for r in record],
+            "said": said, "kept": kept}
 
 
 def powersgd_sharded(rank: int, world_size: int, batch: int, steps: int, error_feedback: bool = True):

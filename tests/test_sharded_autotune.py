@@ -75,6 +75,15 @@ def test_a_lossy_plan_is_installed_only_with_the_trials_proof(tuned):
         assert not any(e["status"] == "accepted" and e["kind"] == "candidate" and e["tta_low"] and e["tta_low"] > 1
                        for e in result["evidence"])
     assert "earned" in result["budget_reason"]
+    if result["compress"]:  # its time to accuracy rests on a re-timing of it alone beside the baseline
+        assert result["retimed"] and result["retimed"][-1]["label"] == result["recommendation"]
+
+
+def test_a_proven_plan_is_re_timed_on_the_sharded_model_itself_which_ends_as_it_began(tuned):
+    for o in tuned:
+        retimed = o["retimed"]
+        assert retimed["record"] == [("c", "fp32", 1, 3, 2.0)] and retimed["kept"]
+        assert {line.split(": ")[-1] for line in retimed["said"] if line.startswith("round")} == {"fp32", "c"}
 
 
 def test_autotune_sharded_refuses_a_missing_or_wrong_build_on_every_rank():

@@ -267,14 +267,9 @@ def autotune_sharded(
         judge = unprovable("no optimizer was given, so no accuracy trial could run; pass the training optimizer")
     else:
         judge = None
-    def measure(pair, steps_of, rounds_, max_rounds_, settled_when):
-        return measure_sharded_plans(model, loss_fn, timing, optimizer, {k: a.plan for k, a in pair.items()},
-                                     rounds=rounds_, steps=dict(steps_of), max_rounds=max_rounds_,
-                                     settled=settled_when, group=group, progress=say)
-
     retimings: list[Retiming] = []
-    retime = retimer(measure, arms, turn=lambda arm: RETIME_LONGER * steps, max_rounds=max_rounds, say=say,
-                     record=retimings)
+    retime = retimer(sharded_measurer(model, loss_fn, timing, optimizer, group, say), arms,
+                     turn=lambda arm: RETIME_LONGER * steps, max_rounds=max_rounds, say=say, record=retimings)
     decision, checked, _ = decide_time_to_accuracy(measured, judge, group=group,
                                                    retime=retime if judge is not None else None)
     t_decided = time.perf_counter()
@@ -299,6 +294,16 @@ def autotune_sharded(
         seconds={"profile": t_profiled - t_start,
                  "accuracy": (t_trialled - t_profiled) + (t_decided - t_measured) - retime_s,
                  "measure": t_measured - t_measuring, "retime": retime_s, "total": time.perf_counter() - t_start})
+
+
+def sharded_measurer(model, loss_fn, batches, optimizer, group=None, say=None):
+    """The re-timing's ``measure`` (:func:`advisor.tuning.steps.retimer`): the arms given, interleaved
+    on the model itself (:func:`advisor.tuning.live.measure_sharded_plans`)."""
+    def measure(pair: Mapping[str, Arm], steps: Mapping[str, int], rounds: int, max_rounds: int, settled_when):
+        return measure_sharded_plans(model, loss_fn, batches, optimizer, {k: a.plan for k, a in pair.items()},
+                                     rounds=rounds, steps=dict(steps), max_rounds=max_rounds, settled=settled_when,
+                                     group=group, progress=say)
+    return measure
 
 
 def sharded_arms(problem: ShardedProblem, found: Sequence[np.ndarray], sixteen: str | None) -> dict[str, Arm]:
