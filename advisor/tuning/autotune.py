@@ -368,16 +368,15 @@ def _measure(ddp_model, loss_fn, batches, optimizer, arms: dict[str, Arm], round
     After ``rounds`` rounds, more follow (up to ``max_rounds``) while the comparisons that
     decide are unresolved (:func:`settled`).
     """
-    plans = {label: arm.plan for label, arm in arms.items() if arm.kind != FP32}
     plan_steps = {label: turn_steps(arm, steps, measure_s) for label, arm in arms.items()}
-    say(f"measuring {len(plans) + 1} plans live, {rounds} interleaved rounds (up to {max_rounds} while unresolved)")
-    return measure_plans(ddp_model, loss_fn, batches, optimizer, plans, rounds=rounds, steps=plan_steps,
-                         max_rounds=max_rounds, settled=lambda r: settled(_measurements_of(arms, r), min_gain),
-                         group=group, progress=say)
+    say(f"measuring {len(arms)} plans live, {rounds} interleaved rounds (up to {max_rounds} while unresolved)")
+    measure = _measurer(ddp_model, loss_fn, batches, optimizer, group, say)
+    return measure(arms, plan_steps, rounds, max_rounds, lambda r: settled(_measurements_of(arms, r), min_gain))
 
 
 def _measurer(ddp_model, loss_fn, batches, optimizer, group, say):
-    """The re-timing's ``measure``: the arms given, interleaved, fp32 natively and plans on a shadow."""
+    """``measure(arms, steps, rounds, max_rounds, settled)``: the arms given, interleaved, fp32 natively
+    and plans on a shadow (the race's, and the re-timing's)."""
     def measure(pair: Mapping[str, Arm], steps: Mapping[str, int], rounds: int, max_rounds: int, settled_when):
         plans = {label: arm.plan for label, arm in pair.items() if arm.kind != FP32}
         native = any(arm.kind == FP32 for arm in pair.values())

@@ -252,9 +252,8 @@ def autotune_sharded(
                                 None if math.isnan(arms[label].predicted_s) else arms[label].predicted_s,
                                 arms[label].description) for label, r in rounds_s.items() if r]
 
-    rounds_s = measure_sharded_plans(model, loss_fn, timing, optimizer, {k: a.plan for k, a in arms.items()},
-                                     rounds=rounds, steps=steps, max_rounds=max_rounds,
-                                     settled=lambda r: settled(measurements(r)), group=group, progress=say)
+    measure = sharded_measurer(model, loss_fn, timing, optimizer, group, say)
+    rounds_s = measure(arms, {label: steps for label in arms}, rounds, max_rounds, lambda r: settled(measurements(r)))
     measured = measurements(rounds_s)
     t_measured = time.perf_counter()
 
@@ -268,7 +267,7 @@ def autotune_sharded(
     else:
         judge = None
     retimings: list[Retiming] = []
-    retime = retimer(sharded_measurer(model, loss_fn, timing, optimizer, group, say), arms,
+    retime = retimer(measure, arms,
                      turn=lambda arm: RETIME_LONGER * steps, max_rounds=max_rounds, say=say, record=retimings)
     decision, checked, _ = decide_time_to_accuracy(measured, judge, group=group,
                                                    retime=retime if judge is not None else None)
@@ -297,8 +296,9 @@ def autotune_sharded(
 
 
 def sharded_measurer(model, loss_fn, batches, optimizer, group=None, say=None):
-    """The re-timing's ``measure`` (:func:`advisor.tuning.steps.retimer`): the arms given, interleaved
-    on the model itself (:func:`advisor.tuning.live.measure_sharded_plans`)."""
+    """``measure(arms, steps, rounds, max_rounds, settled)``: the arms given, interleaved on the model
+    itself (:func:`advisor.tuning.live.measure_sharded_plans`); the race's, and the re-timing's
+    (:func:`advisor.tuning.steps.retimer`)."""
     def measure(pair: Mapping[str, Arm], steps: Mapping[str, int], rounds: int, max_rounds: int, settled_when):
         return measure_sharded_plans(model, loss_fn, batches, optimizer, {k: a.plan for k, a in pair.items()},
                                      rounds=rounds, steps=dict(steps), max_rounds=max_rounds, settled=settled_when,
