@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -476,6 +477,15 @@ def proving_online_loop(rank: int, world_size: int, steps: int, kwargs: dict):
         opt.step()
     out = {"events": [(e.step, e.what, e.detail) for e in tuner.events], "digest": tuner.plan.digest(),
            "plan": tuner.plan.to_dict(), "phase": tuner.phase,
-           "history": [reason for _, _, reason in tuner.hook.plan_history]}
+           "history": [reason for _, _, reason in tuner.hook.plan_history],
+           "retimed": [dataclasses.asdict(r) for r in tuner.retimed],
+           "tta": None if tuner.decision is None or tuner.decision.tta is None else tuner.decision.tta.value,
+           "step_speedup": None if tuner.decision is None else tuner.decision.step_speedup().value}
     tuner.close()
     return out
+
+
+def proving_online_loops(rank: int, world_size: int, runs: list):
+    """:func:`proving_online_loop` for each ``(steps, kwargs)`` in turn, in one launch (the later
+    ones reuse the first one's network profile)."""
+    return [proving_online_loop(rank, world_size, steps, kwargs) for steps, kwargs in runs]

@@ -211,6 +211,10 @@ def test_only_a_plan_the_trial_proved_is_re_timed():
     decision, _, _ = decide_time_to_accuracy(MEASURED, lambda d: verdicts[d.chosen],
                                              retime=lambda d, arm: asked.append(d.chosen))
     assert decision.chosen == "bf16" and asked == [] and decision.retimed is None
+    # proven, but fp32's curve gave no efficiency: no time to accuracy to build on a re-timing
+    decision, _, rejected = decide_time_to_accuracy(MEASURED[:3], lambda d: verdict(d.chosen, gate.ACCEPTED),
+                                                    retime=lambda d, arm: asked.append(d.chosen))
+    assert asked == [] and decision.chosen == "bf16" and "cannot be read" in rejected[0]
 
 
 def test_without_an_optimizer_no_compressed_plan_can_be_proven():

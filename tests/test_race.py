@@ -4,8 +4,10 @@ import numpy as np
 import pytest
 
 from advisor.runtime import Plan
-from advisor.tuning.online.trial import TRIAL_SETTLE, Race
-from advisor.tuning.steps import Arm
+from advisor.tuning.accuracy import ArmResult
+from advisor.tuning.online.trial import TRIAL_SETTLE, OnlineRetimes, Race, RetimeNeeded
+from advisor.tuning.steps import RETIME_LONGER, Arm, decide_time_to_accuracy
+from policies import accuracy_gate as gate
 from policies.do_no_harm import CANDIDATE, FP32, SIXTEEN_BIT, decide
 
 
@@ -131,3 +133,39 @@ def test_autotunes_live_rounds_start_one_plan_later_each_round_and_warm_each_mod
     assert [label for label, _ in calls] == ["fp32", "a", "b", "a", "b", "fp32", "b", "fp32", "a"]
     assert [settle for _, settle in calls[:3]] == [2, 2, 2] and all(settle == 1 for _, settle in calls[3:])
     assert result == {"fp32": [0.2] * 3, "a": [0.1] * 3, "b": [0.15] * 3}
+
+
+def test_online_a_proven_plan_races_the_best_baseline_alone_in_longer_turns_and_the_claim_rests_on_that():
+    hook = RecordingHook()
+    race = Race(ARMS, hook, steps=2, min_rounds=3, max_rounds=3)
+    # in the race c1 looks 1.9x fp16; alone beside it, it is 1.25x (what the claim must rest on)
+    truth = {"fp32": 0.200, "fp16": 0.150, "c1": 0.120}
+    run_race(race, hook, lambda label, r, i: 0.080 if label == "c1" else truth[label])
+    proven = ArmResult("c1", gate.CANDIDATE, "c1", [1.0], 1.0, True, "c1: within the tolerance", 0.0,
+                       status=gate.ACCEPTED, efficiency=0.98, efficiency_se=0.005)
+    judged = []
+
+    def judge(decision):
+        judged.append(decision.chosen)
+        return proven
+
+    retimes = OnlineRetimes({a.label: a for a in ARMS}, hook, steps=race.steps, max_rounds=6)
+    with pytest.raises(RetimeNeeded) as asked:
+        decide_time_to_accuracy(race.measurements(), judge, retime=retimes.retime)
+    timing = retimes.race(asked.value)
+    seen = []
+
+    def alone(label, r, i):
+        seen.append(label)
+        return truth[label]
+
+    steps = run_race(timing, hook, alone)
+    assert set(seen) == {"fp16", "c1"} and timing.steps == RETIME_LONGER * race.steps
+    assert timing.rounds == 3 and steps == 3 * timing.steps_per_round  # clear after its first rounds
+    done = retimes.finished(timing)
+    assert (done.label, done.baseline, done.steps) == ("c1", "fp16", 6)
+    assert done.speedup == pytest.approx(1.25) and done.race_speedup == pytest.approx(1.875)
+    decision, _, _ = decide_time_to_accuracy(race.measurements(), judge, retime=retimes.retime)
+    assert decision.chosen == "c1" and decision.retimed.value == pytest.approx(1.25)
+    assert decision.tta.value == pytest.approx(1.25 * 0.98)
+    assert "re-timed alone beside fp16: 1.25x" in decision.reason and retimes.record == [done]

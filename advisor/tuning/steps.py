@@ -313,7 +313,8 @@ def decide_time_to_accuracy(measured: Sequence[LiveMeasurement], judge: Callable
         # a cast in another bucket layout learns as the cast does: its step speed-up is the claim
         if arm.accepted and decision.kind == CANDIDATE and arm.kind != gate.SIXTEEN_BIT:
             retimed = ""
-            if retime is not None:
+            # without an efficiency there is no time to accuracy to build on a re-timing
+            if retime is not None and arm.efficiency_estimate() is not None:
                 race = decision.step_speedup()
                 decision.retimed = retime(decision, arm)
                 retimed = (f"re-timed alone beside {decision.best_baseline}: {decision.retimed.describe()} per step "
@@ -367,26 +368,41 @@ def retimer(measure: Callable[..., Mapping[str, list[float]]], arms: Mapping[str
 
     def retime(decision: Decision, verdict) -> evidence.Estimate:
         base, plan = arms[decision.best_baseline], arms[decision.chosen]
-        race = decision.step_speedup().value
         pair = {base.label: base, plan.label: plan}
         per_turn = {label: turn(arm) for label, arm in pair.items()}
-        efficiency = verdict.efficiency_estimate() if verdict is not None else None
-
-        def decided(rounds_s) -> bool:
-            step = evidence.paired_speedup(rounds_s[base.label], rounds_s[plan.label])
-            return efficiency is None or evidence.resolved(evidence.time_to_accuracy(step, efficiency), min_gain)
-
         say(f"re-timing {plan.description} beside {base.label}: the two alone, {per_turn[plan.label]} steps a turn")
         started = time.perf_counter()
-        rounds_s = measure(pair, per_turn, RETIME_ROUNDS, max(max_rounds, RETIME_ROUNDS), decided)
-        step = evidence.paired_speedup(rounds_s[base.label], rounds_s[plan.label])
+        rounds_s = measure(pair, per_turn, RETIME_ROUNDS, max(max_rounds, RETIME_ROUNDS),
+                           retime_settled(decision, verdict, min_gain))
+        done = retiming_of(decision, rounds_s, per_turn[plan.label], time.perf_counter() - started)
         if record is not None:
-            record.append(Retiming(plan.label, base.label, per_turn[plan.label], list(rounds_s[plan.label]),
-                                   list(rounds_s[base.label]), step.value, step.lower(), step.upper(),
-                                   race, time.perf_counter() - started))
-        return step
+            record.append(done)
+        return evidence.paired_speedup(rounds_s[base.label], rounds_s[plan.label])
 
     return retime
+
+
+def retime_settled(decision: Decision, verdict, min_gain: float = 0.0
+                   ) -> Callable[[Mapping[str, list[float]]], bool]:
+    """When a re-timing of ``decision.chosen`` beside ``decision.best_baseline`` may stop: once the
+    time to accuracy built on its rounds (``{label: round medians}``) is resolved either way."""
+    base, plan = decision.best_baseline, decision.chosen
+    efficiency = verdict.efficiency_estimate() if verdict is not None else None
+
+    def decided(rounds_s: Mapping[str, list[float]]) -> bool:
+        step = evidence.paired_speedup(rounds_s[base], rounds_s[plan])
+        return efficiency is None or evidence.resolved(evidence.time_to_accuracy(step, efficiency), min_gain)
+
+    return decided
+
+
+def retiming_of(decision: Decision, rounds_s: Mapping[str, list[float]], steps: int, seconds: float) -> Retiming:
+    """The record of a re-timing of ``decision.chosen`` beside its best baseline, from each one's
+    round medians, with what the race had said."""
+    base, plan = decision.best_baseline, decision.chosen
+    step = evidence.paired_speedup(rounds_s[base], rounds_s[plan])
+    return Retiming(plan, base, steps, list(rounds_s[plan]), list(rounds_s[base]), step.value, step.lower(),
+                    step.upper(), decision.step_speedup().value, seconds)
 
 
 def turn_steps(arm: Arm, steps: int, measure_s: float) -> int:

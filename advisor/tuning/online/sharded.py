@@ -17,7 +17,10 @@ Driven from the model's forward calls, which every rank makes at the same step:
    plans take turns on the loop's steps in interleaved rounds (the DDP tuner's
    :class:`~advisor.tuning.online.trial.Race`, each plan switched in by
    :class:`advisor.runtime.sharded.ShardedSwitch`), paired and stopped once decided;
-4. **decide** (:func:`advisor.tuning.steps.decide_time_to_accuracy`) and keep the plan;
+4. **decide** (:func:`advisor.tuning.steps.decide_time_to_accuracy`) and keep the plan; a
+   compressed plan the trial proves first races the best baseline alone on the next steps, in
+   longer turns (:class:`~advisor.tuning.online.trial.OnlineRetimes`), and its time to
+   accuracy is built on that figure, not on the race's;
 5. **re-trial** a compressed plan kept, where the gate has its data: the paired trial again from
    the current weights on fresh shadows, as often as ``retrial_share`` of the training time
    pays for (:class:`~advisor.tuning.online.watch.RetrialClock`, as :func:`advisor.wrap`
@@ -47,7 +50,7 @@ from advisor.runtime import Plan
 from advisor.runtime.plan import as_plan
 from advisor.runtime.sharded import SHARDED_CONFIGS, ShardedSwitch
 from advisor.tuning.accuracy import AccuracyTrial, check_evaluate
-from advisor.tuning.online.trial import Race
+from advisor.tuning.online.trial import OnlineRetimes, Race, RetimeNeeded
 from advisor.tuning.online.tuner import TunerEvent
 from advisor.tuning.online.watch import RetrialClock, check_retrial_share, first_retrial_in, harm_shown, is_lossy
 from advisor.tuning.sharded import (
@@ -134,6 +137,11 @@ class ShardedOnlineTuner:
         self._capture = RowCapture(model)
         self._starts: list[float] = []
         self._race: Race | None = None
+        self._timing: Race | None = None  # the race being run: the race of every arm, or a re-timing after it
+        self._retimes: OnlineRetimes | None = None
+        self._judge_fn = None  # kept across the decisions a re-timing interrupts
+        #: the re-timings of the plans the trial proved (:class:`policies.do_no_harm.Retiming`), in order
+        self.retimed: list = []
         self._problem: ShardedProblem | None = None
         self._arms: dict = {}
         if plan is not None:
@@ -186,7 +194,12 @@ class ShardedOnlineTuner:
         now = time.perf_counter()
         if self.phase == OBSERVE:
             self._observe(now)
-        elif self.phase == RACE and self._race.step_starts(now):
+        elif self.phase == RACE and self._timing.step_starts(now):
+            if self._timing is not self._race:
+                done = self._retimes.finished(self._timing)
+                self._note("re-timed", f"{done.label} beside {done.baseline}: {done.speedup:.2f}x ({done.low:.2f}-"
+                                       f"{done.high:.2f}) per step over {len(done.plan_s)} rounds, against the "
+                                       f"race's {done.race_speedup:.2f}x ({self._timing.ended})")
             self._decide()
         elif self.phase == DECIDED and self._retrials is not None and self._retrials.due(self.step):
             self._retrial(now)
@@ -214,7 +227,11 @@ class ShardedOnlineTuner:
         for arm in left_out:
             del arms[arm.label]
         self._arms = arms
-        self._race = Race(list(arms.values()), _SwitchAsHook(self.switch), group=self.group, **self._race_settings)
+        self._race = self._timing = Race(list(arms.values()), _SwitchAsHook(self.switch), group=self.group,
+                                         **self._race_settings)
+        self._retimes = OnlineRetimes(arms, _SwitchAsHook(self.switch), steps=self._race.steps,
+                                      max_rounds=self._race.max_rounds, group=self.group)
+        self.retimed = self._retimes.record
         self._note("profiled", f"profile and search took {time.perf_counter() - t0:.1f} s; racing {len(arms)} plans "
                                f"in rounds of {self._race.steps_per_round} steps")
         if left_out:
@@ -226,9 +243,20 @@ class ShardedOnlineTuner:
 
     def _decide(self) -> None:
         self.measured = self._race.measurements()
-        judge = self._judge() if self._gate is not None else unprovable(
-            "wrap_sharded was given no loss_fn, batches and build")
-        decision, checked, _ = decide_time_to_accuracy(self.measured, judge, group=self.group)
+        if self._judge_fn is None:
+            self._judge_fn = self._judge() if self._gate is not None else unprovable(
+                "wrap_sharded was given no loss_fn, batches and build")
+        try:
+            decision, checked, _ = decide_time_to_accuracy(self.measured, self._judge_fn, group=self.group,
+                                                           retime=self._retimes.retime)
+        except RetimeNeeded as need:
+            self._timing = self._retimes.race(need)
+            self._note("re-timing", f"{self._arms[need.decision.chosen].description} was proven by the trial; it "
+                                    f"races {need.decision.best_baseline} alone now, {self._timing.steps} timed steps "
+                                    f"a turn (the race's {need.decision.step_speedup().describe()} chose it, so errs "
+                                    "in its favour)")
+            self._timing.start(time.perf_counter())
+            return
         keep_fsdp_unless_exact_is_faster(decision, self.measured)
         self.decision = decision
         self.plan = self._arms[decision.chosen].plan

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 
 from advisor.core.collectives import slowest
 from advisor.runtime import CompressionHook
-from advisor.tuning.steps import Arm, settled
-from policies.do_no_harm import LiveMeasurement
+from advisor.tuning.steps import RETIME_LONGER, RETIME_ROUNDS, Arm, retime_settled, retiming_of, settled
+from policies import evidence
+from policies.do_no_harm import Decision, LiveMeasurement, Retiming
 
 TRIAL = "trial"
 #: steps under a newly set plan left out of its timing (the first one pays for buffers and caches)
@@ -28,13 +30,17 @@ class Race:
     decided, or once more rounds are no longer worth their steps.  Every rank holds the same
     round times, so every rank stops at the same step.  Each round starts one arm later than
     the last (as autotune's rounds do), so that no arm always follows the same one.
+    ``decided(round_s) -> bool``, where given, replaces that rule (a re-timing stops once its
+    time to accuracy is resolved).
     """
 
     name = TRIAL
 
     def __init__(self, arms: Sequence[Arm], hook: CompressionHook, *, steps: int, min_rounds: int, max_rounds: int,
-                 min_gain: float = 0.0, group=None) -> None:
+                 min_gain: float = 0.0, group=None,
+                 decided: Callable[[Mapping[str, list[float]]], bool] | None = None) -> None:
         self.arms = {arm.label: arm for arm in arms}
+        self._decided = decided
         self.hook, self.group = hook, group
         self.steps, self.min_rounds, self.max_rounds, self.min_gain = steps, min_rounds, max_rounds, min_gain
         #: each arm's round medians (slowest rank), in race order
@@ -89,7 +95,8 @@ class Race:
     def _done(self) -> bool:
         if self.rounds < self.min_rounds:
             return False
-        if settled(self.measurements(), self.min_gain):
+        if self._decided(self.round_s) if self._decided is not None else settled(self.measurements(),
+                                                                                  self.min_gain):
             self.ended = f"decided after {self.rounds} rounds"
             return True
         if self.rounds >= self.max_rounds:
@@ -113,3 +120,64 @@ class Race:
         arm = self._arm_now()
         self.hook.set_plan(arm.plan, reason=f"online race: {arm.label}, round {self.rounds + 1}", verify=False)
         self._times, self._count, self._last_start = [], 0, now
+
+
+class RetimeNeeded(Exception):
+    """Raised inside :func:`advisor.tuning.steps.decide_time_to_accuracy` when a proven plan has
+    not been re-timed yet: the tuner leaves the decision, races the two on the next steps
+    (:meth:`OnlineRetimes.race`) and decides again with their figure.  Every rank raises it at
+    the same point, as every rank holds the same decision."""
+
+    def __init__(self, decision: Decision, verdict) -> None:
+        super().__init__(f"{decision.chosen} is to be re-timed beside {decision.best_baseline}")
+        self.decision, self.verdict = decision, verdict
+
+
+class OnlineRetimes:
+    """Re-timings of proven plans on the user's own steps, for the online tuners.
+
+    The ``retime`` of :func:`advisor.tuning.steps.decide_time_to_accuracy` cannot train steps
+    itself online: the steps are the user's.  So :meth:`retime` answers with the figure of an
+    earlier re-timing of the same plan beside the same baseline, or raises
+    :class:`RetimeNeeded`; :meth:`race` builds that re-timing (the two alone, in turns
+    :data:`~advisor.tuning.steps.RETIME_LONGER` times the race's, at least
+    :data:`~advisor.tuning.steps.RETIME_ROUNDS` rounds and more while the time to accuracy
+    is unresolved), and :meth:`finished` keeps its figure for the next decision.  Why again:
+    the race's winner is the fastest of several arms, so its race time errs in its favour.
+    """
+
+    def __init__(self, arms: Mapping[str, Arm], hook, *, steps: int, max_rounds: int, min_gain: float = 0.0,
+                 group=None) -> None:
+        self.arms, self.hook, self.group = arms, hook, group
+        self.steps, self.max_rounds, self.min_gain = RETIME_LONGER * steps, max(max_rounds, RETIME_ROUNDS), min_gain
+        #: every re-timing finished, in order
+        self.record: list[Retiming] = []
+        self._estimates: dict[tuple[str, str], evidence.Estimate] = {}
+        self._pending: tuple[RetimeNeeded, float] | None = None
+
+    def retime(self, decision: Decision, verdict) -> evidence.Estimate:
+        """The re-timed step speed-up of ``decision.chosen`` beside its best baseline, if measured."""
+        estimate = self._estimates.get((decision.chosen, decision.best_baseline))
+        if estimate is None:
+            raise RetimeNeeded(decision, verdict)
+        return estimate
+
+    def race(self, need: RetimeNeeded) -> Race:
+        """The re-timing ``need`` asks for, as a race of the two arms on the user's next steps."""
+        decision = need.decision
+        pair = [self.arms[decision.best_baseline], self.arms[decision.chosen]]
+        self._pending = (need, time.perf_counter())
+        return Race(pair, self.hook, steps=self.steps, min_rounds=RETIME_ROUNDS, max_rounds=self.max_rounds,
+                    min_gain=self.min_gain, group=self.group,
+                    decided=retime_settled(decision, need.verdict, self.min_gain))
+
+    def finished(self, race: Race) -> Retiming:
+        """Keep the figure of the re-timing :meth:`race` built, now that it ended."""
+        need, started = self._pending
+        decision = need.decision
+        done = retiming_of(decision, race.round_s, self.steps, time.perf_counter() - started)
+        self.record.append(done)
+        self._estimates[(decision.chosen, decision.best_baseline)] = evidence.paired_speedup(
+            race.round_s[decision.best_baseline], race.round_s[decision.chosen])
+        self._pending = None
+        return done

@@ -26,7 +26,12 @@ the model's forward calls, which every rank makes at the same step:
    (and the optimizer), the plan that wins on speed must also pass the accuracy gate, the
    same paired trial as :func:`advisor.autotune`'s (:mod:`advisor.tuning.accuracy`): shadow copies
    from the current weights, with a clone of the optimizer, next to fp32 on those batches;
-   a rejected plan leaves the race and the next one is judged, down to fp32.
+   a rejected plan leaves the race and the next one is judged, down to fp32.  A compressed
+   plan the trial proves then races the best baseline alone on the next steps, in turns
+   three times as long, until its time to accuracy is resolved or ``max_trial_rounds``
+   (:class:`~advisor.tuning.online.trial.OnlineRetimes`): the race's winner is the fastest of
+   several arms, so its race time errs in its favour, and the claim is built on the second
+   figure (``tuner.retimed``).
 4. **fidelity watch**: every step, the hook shows a random sample of the compressed
    coordinates (``fidelity_sample``, the same on every rank) to a
    :class:`~advisor.runtime.monitor.FidelityMonitor` before and after the exchange; each
@@ -81,7 +86,7 @@ from advisor.runtime import CompressionHook, Plan, install
 from advisor.runtime.monitor import DEFAULT_SAMPLE, DEFAULT_WINDOW, FidelityMonitor, FidelityReading
 from advisor.tuning.accuracy import AccuracyTrial, check_evaluate
 from advisor.tuning.online.observe import Observation
-from advisor.tuning.online.trial import Race
+from advisor.tuning.online.trial import OnlineRetimes, Race, RetimeNeeded
 from advisor.tuning.online.watch import (
     MAX_PROOF_ATTEMPTS,
     PendingProof,
@@ -157,6 +162,8 @@ class OnlineTuner:
         self.measured: list = []
         #: the race's decision (:class:`policies.do_no_harm.Decision`), once it ended
         self.decision = None
+        #: the re-timings of the plans the trial proved (:class:`policies.do_no_harm.Retiming`), in order
+        self.retimed: list = []
         self.candidates = candidate_labels(candidates or DEFAULT_CANDIDATES, budget)
         self.ddp, self.optimizer, self.group = ddp, optimizer, group
         self.observe_steps, self.top, self.trials, self.budget = observe_steps, top, trials, budget
@@ -173,6 +180,9 @@ class OnlineTuner:
         self._problem: TuningProblem | None = None  # the search's problem, for the accuracy gate
         self._unproven: PendingProof | None = None  # the fastest raced plan the gate could not prove
         self._verdicts: list[str] = []  # the gate's verdict on each plan it judged
+        self._race: Race | None = None  # the race of every arm (a re-timing races two of them after it)
+        self._judge = None  # the accuracy judge, kept across the decisions a re-timing interrupts
+        self._retimes: OnlineRetimes | None = None
 
         #: whether close() stops the hook: not one the user installed and only lent to the watch
         self._owns_hook = hook is None
@@ -286,6 +296,8 @@ class OnlineTuner:
                     self._profile_and_search()
             elif isinstance(self._phase, Race):
                 if self._phase.step_starts(now, say=lambda msg: log.info("step %d: %s", self.step, msg)):
+                    if self._phase is not self._race:
+                        self._retimed(self._phase)
                     self._decide()
             else:
                 self._phase.step_starts(self.step)
@@ -311,9 +323,12 @@ class OnlineTuner:
         # accuracy for a plan that could never be installed
         left_out = candidates if self._gate_args is None else []
         self._problem = problem
-        self._phase = Race(arms + [c for c in candidates if c not in left_out], self.hook, group=self.group,
-                           **self._race_settings)
+        self._phase = self._race = Race(arms + [c for c in candidates if c not in left_out], self.hook,
+                                        group=self.group, **self._race_settings)
         race = self._phase
+        self._retimes = OnlineRetimes(race.arms, self.hook, steps=race.steps, max_rounds=race.max_rounds,
+                                      group=self.group)
+        self.retimed = self._retimes.record
         self._note("profiled", f"profile and search took {time.perf_counter() - t0:.1f} s; racing {len(race.arms)} "
                                f"plans in rounds of {race.steps_per_round} steps ({race.steps} timed an arm), "
                                f"{race.min_rounds} to {race.max_rounds} rounds until decided")
@@ -325,11 +340,26 @@ class OnlineTuner:
         self._phase.start(time.perf_counter())
 
     def _decide(self) -> None:
-        """Race -> watch: do no harm on the race's medians, then the accuracy gate."""
-        race = self._phase
+        """Race -> watch: do no harm on the race's medians, then the accuracy gate; a plan the gate
+        proves is re-timed beside the best baseline on the next steps before it is decided on."""
+        race = self._race
         self.measured = race.measurements()
-        decision, checked, rejected = decide_time_to_accuracy(self.measured, self._accuracy_judge(race),
-                                                              group=self.group)
+        if self._judge is None:
+            self._judge = self._accuracy_judge(race)
+        try:
+            decision, checked, rejected = decide_time_to_accuracy(self.measured, self._judge, group=self.group,
+                                                                  retime=self._retimes.retime)
+        except RetimeNeeded as need:
+            self._phase = self._retimes.race(need)
+            timing = self._phase
+            rounds = (f"{timing.min_rounds}" if timing.min_rounds == timing.max_rounds else
+                      f"{timing.min_rounds} to {timing.max_rounds}")
+            self._note("re-timing", f"{race.arms[need.decision.chosen].description} was proven by the trial; it "
+                                    f"races {need.decision.best_baseline} alone now, {timing.steps} timed steps a "
+                                    f"turn, {rounds} rounds, before its time to accuracy is judged (the race's "
+                                    f"{need.decision.step_speedup().describe()} chose it, so errs in its favour)")
+            self._phase.start(time.perf_counter())
+            return
         self.decision = decision
         if checked and self.accuracy is not None:
             self._note("accuracy", f"{decision.chosen} passed the {self.accuracy.steps}-step paired trial: {checked}")
@@ -340,6 +370,8 @@ class OnlineTuner:
         self._phase = self._watch(first_in=1, proof=proof)  # the reference gain on the next step
         gain = 1 - 1 / decision.gain_vs_best_baseline if decision.gain_vs_best_baseline else 0.0
         noise = decision.margin
+        if decision.retimed is not None:  # the figure the claim rests on
+            gain, noise = 1 - 1 / decision.retimed.value, decision.retimed.noise
         if rejected and not decision.compress:
             said = {gate.REJECTED: "fell behind fp32 in the paired trial", gate.NOT_PROVEN: "could not be proven by it",
                     gate.ACCEPTED: "were proven but not faster to accuracy"}
@@ -373,8 +405,11 @@ class OnlineTuner:
         trial = LazyTrial(self._trial(arms_expected=2 + len(race.arms) - 1), self._problem,
                           lambda msg: log.info("step %d: %s", self.step, msg))
         statuses = self._verdicts
+        judged: dict = {}  # by label: a decision interrupted by a re-timing asks again
 
         def judge(decision):
+            if decision.chosen in judged:
+                return judged[decision.chosen]
             raced = race.arms[decision.chosen]
             arm = trial.judge_arm(raced)
             self.accuracy = trial.trial.report()
@@ -390,9 +425,16 @@ class OnlineTuner:
                                               decision.best_baseline, steps)
             if not arm.accepted:
                 self._note("accuracy", f"{decision.chosen} rejected: {arm.reason}")
+            judged[decision.chosen] = arm
             return arm
 
         return judge
+
+    def _retimed(self, race: Race) -> None:
+        done = self._retimes.finished(race)
+        self._note("re-timed", f"{done.label} beside {done.baseline}: {done.speedup:.2f}x ({done.low:.2f}-"
+                               f"{done.high:.2f}) per step over {len(done.plan_s)} rounds, against the race's "
+                               f"{done.race_speedup:.2f}x ({race.ended}, {done.seconds:.1f} s)")
 
     def _watch(self, proof: PendingProof | None = None, **where) -> Watch:
         monitor = None
