@@ -204,6 +204,39 @@ def test_a_proven_plan_is_re_timed_and_its_time_to_accuracy_rests_on_the_re_timi
     assert "the race's 1.99x" in rejected[0]
 
 
+def test_once_the_fastest_is_turned_down_the_runner_up_the_race_left_unresolved_is_judged_and_timed_again():
+    # c1 wins the race and falls behind fp32; c2 stepped 1.3x bf16 in the race, but too unsteadily
+    # to be shown faster (the race stopped once its winner was resolved)
+    measured = [rounds("fp32", "fp32", 300, 310, 305), rounds("bf16", "16-bit", 200, 205, 202),
+                rounds("c1", "candidate", 100, 104, 101), rounds("c2", "candidate", 110, 240, 115)]
+    verdicts = {"c1": verdict("c1", gate.REJECTED), "c2": verdict("c2", gate.ACCEPTED, 0.99, se=0.005),
+                "bf16": verdict("bf16", gate.ACCEPTED)}
+    judged, asked = [], []
+
+    def judge(decision):
+        judged.append(decision.chosen)
+        return verdicts[decision.chosen]
+
+    def retime(decision, arm):
+        asked.append(decision.chosen)
+        return ev.Estimate(1.30, 0.02, 6)
+
+    without, _, _ = decide_time_to_accuracy(measured, judge)
+    assert without.chosen == "bf16" and judged == ["c1", "bf16"]  # no re-timing: the baseline stands
+    judged.clear()
+    decision, _, rejected = decide_time_to_accuracy(measured, judge, retime=retime)
+    assert judged == ["c1", "c2"] and asked == ["c2"]
+    assert decision.chosen == "c2" and decision.compress and decision.retimed.value == 1.30
+    assert decision.tta.value == pytest.approx(1.30 * 0.99)
+    assert "not beyond its noise" in decision.reason and "re-timed alone beside bf16: 1.30x" in decision.reason
+    assert len(rejected) == 1 and rejected[0].startswith("c1")
+    # timed again and still not shown faster to accuracy: the baseline stands, with both figures
+    judged.clear()
+    decision, _, rejected = decide_time_to_accuracy(measured, judge, retime=lambda d, arm: ev.Estimate(1.01, 0.02, 6))
+    assert decision.chosen == "bf16" and judged == ["c1", "c2", "bf16"]
+    assert "c2" in rejected[1] and "re-timed alone beside bf16: 1.01x" in rejected[1]
+
+
 def test_only_a_plan_the_trial_proved_is_re_timed():
     verdicts = {"c1": verdict("c1", gate.NOT_PROVEN), "c2": verdict("c2", gate.REJECTED),
                 "bf16": verdict("bf16", gate.ACCEPTED)}

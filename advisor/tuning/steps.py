@@ -291,7 +291,10 @@ def decide_time_to_accuracy(measured: Sequence[LiveMeasurement], judge: Callable
     ``retime(decision, arm) -> Estimate``, where given, measures a compressed plan's step
     speed-up again once the trial has proven it: the plan alone beside the best baseline, on
     every rank.  That estimate, free of the race's selection, is the one the time to accuracy
-    is built on and must clear the bar.
+    is built on and must clear the bar.  With it, once a plan has been turned down, the next
+    candidate whose race median beat the baseline is judged and re-timed even where the race
+    left it unresolved: the race stops once its winner is resolved, not the runner-up, and a
+    re-timing measures on while the time to accuracy is unresolved.
 
     Returns ``(decision, accepted_reason, rejected_reasons)``; ``accepted_reason`` is ""
     when nothing was judged, and the decision's reason names every rejection with its
@@ -306,6 +309,8 @@ def decide_time_to_accuracy(measured: Sequence[LiveMeasurement], judge: Callable
         if decision.chosen != mine.chosen:
             log.warning("rank %d would have chosen %s; following rank 0's decision (%s)", rank(group),
                         mine.chosen, decision.chosen)
+        if judge is not None and retime is not None and rejected:
+            decision = _second_look(decision, measured, min_gain) or decision
         if judge is None or decision.kind == FP32:
             break
         arm = judge(decision)
@@ -342,6 +347,22 @@ def decide_time_to_accuracy(measured: Sequence[LiveMeasurement], judge: Callable
                                                   "no measured compressed candidate was proven for accuracy")
         decision.reason += "; not installed for accuracy: " + "; ".join(_grouped(rejected))
     return decision, checked, rejected
+
+
+def _second_look(decision: Decision, measured: Sequence[LiveMeasurement], min_gain: float) -> Decision | None:
+    """The baseline's decision turned into a provisional one for the candidate that stepped faster
+    in the race but not beyond its noise, so that the trial and a re-timing can settle it; None
+    where there is none."""
+    step = decision.step
+    if decision.compress or decision.best_candidate is None or step is None or not step.value > 1 + min_gain:
+        return None
+    plan = next(m for m in measured if m.label == decision.best_candidate)
+    name = plan.description or plan.label
+    return dataclasses.replace(
+        decision, chosen=plan.label, kind=CANDIDATE, compress=True, gain_vs_best_baseline=step.value,
+        margin=step.noise, reason=(f"{name} stepped {step.describe()} per step vs {decision.best_baseline} in the race, "
+                                   "not beyond its noise; the faster plans were turned down, so it was judged and "
+                                   "timed again"))
 
 
 #: rounds of a re-timing at the least, and how many times longer its turns are than the race's
