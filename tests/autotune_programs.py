@@ -486,6 +486,24 @@ def proving_online_loop(rank: int, world_size: int, steps: int, kwargs: dict):
 
 
 def proving_online_loops(rank: int, world_size: int, runs: list):
-    """:func:`proving_online_loop` for each ``(steps, kwargs)`` in turn, in one launch (the later
-    ones reuse the first one's network profile)."""
-    return [proving_online_loop(rank, world_size, steps, kwargs) for steps, kwargs in runs]
+    """For each ``(kind, steps, kwargs)`` in turn, in one launch: :func:`proving_online_loop` where
+    ``kind`` is ``"ddp"``, ``sharded_programs.sharded_proving_loop`` where it is ``"sharded"``."""
+    from sharded_programs import sharded_proving_loop
+
+    loops = {"ddp": proving_online_loop, "sharded": sharded_proving_loop}
+    return [loops[kind](rank, world_size, steps, kwargs) for kind, steps, kwargs in runs]
+
+
+#: the linear regression under wrap with the gate, two ways: a run of 4,000 steps, whose 2% is 80
+#: trial steps over 4 arms, 20 an arm, under the 40 any proof needs; and a run of 40,000 steps,
+#: whose first trial may take 800, enough to prove 8-bit quantisation at once
+PROVING = {"observe_steps": 5, "trial_steps": 2, "trial_rounds": 2, "max_trial_rounds": 3, "top": 1, "trials": 200,
+           "candidates": ["none", "qsgd(bits=8)"], "budget": 1.0, "fidelity_sample": 0}
+TOO_SHORT = {**PROVING, "expected_steps": 4000, "retrial_share": 1.0}
+LONG_ENOUGH = {**PROVING, "expected_steps": 40000, "retrial_share": None}
+#: the same regression sharded (FSDP2) under wrap_sharded, long enough to prove 8-bit quantisation
+SHARDED_LONG_ENOUGH = {"observe_steps": 3, "trial_steps": 2, "trial_rounds": 2, "max_trial_rounds": 3, "top": 1,
+                       "repeats": 1, "candidates": ["none", "intquant(bits=8)"], "expected_steps": 40000,
+                       "retrial_share": None}
+PROVING_RUNS = {"too short": ("ddp", 340, TOO_SHORT), "long enough": ("ddp", 110, LONG_ENOUGH),
+                "sharded, long enough": ("sharded", 110, SHARDED_LONG_ENOUGH)}

@@ -374,3 +374,68 @@ def retrialled_sharded(rank: int, world_size: int, labels: list[str], steps: int
                       "comms": sorted({type(m._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm).__name__
                                        for _, m, _ in sharded_groups(model)})}
     return out
+
+
+class _Regression(nn.Module):
+    """A wide linear regression: one fully_shard group, the root's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(512, 256)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def _regression_sharded(seed: int = 0):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = _Regression()
+    fully_shard(model)
+    return model
+
+
+def sharded_proving_loop(rank: int, world_size: int, steps: int, kwargs: dict):
+    """A noisy wide linear regression, sharded, under wrap_sharded with the accuracy gate (as the DDP
+    tests' ``proving_online_loop``): learning is steady, so a trial of a few hundred steps is powered.
+
+    The gate gets this rank's endless stream of batches and held-out batches of its own.
+    """
+    import dataclasses
+
+    import advisor
+
+    model = _regression_sharded()
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    torch.manual_seed(1)
+    teacher = nn.Linear(512, 256)
+
+    def batch(g):
+        x = torch.randn(32, 512, generator=g)
+        with torch.no_grad():
+            return x, teacher(x) + 0.5 * torch.randn(32, 256, generator=g)
+
+    def loss_fn(m, b):
+        return nn.functional.mse_loss(m(b[0]), b[1])
+
+    def stream():
+        g = torch.Generator().manual_seed(100 + rank)
+        while True:
+            yield batch(g)
+
+    held = [batch(torch.Generator().manual_seed(1000 + i)) for i in range(4)]
+    tuner = advisor.wrap_sharded(model, opt, loss_fn=loss_fn, batches=stream(), held_out=held,
+                                 build=_regression_sharded, **kwargs)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss_fn(model, batch(g)).backward()
+        opt.step()
+    tuner.close()
+    decision = tuner.decision
+    return {"events": [(e.step, e.what, e.detail) for e in tuner.events], "phase": tuner.phase,
+            "plan": tuner.plan.to_dict(), "retimed": [dataclasses.asdict(r) for r in tuner.retimed],
+            "tta": None if decision is None or decision.tta is None else decision.tta.value,
+            "step_speedup": None if decision is None else decision.step_speedup().value,
+            "full": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}}

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-from autotune_programs import shadow_buckets, tune_and_train
+from autotune_programs import PROVING, shadow_buckets, tune_and_train
 
 import advisor
 from advisor.testbed.emulated import EmulatedCluster, unavailable_reason
@@ -251,27 +251,6 @@ def test_wraps_accuracy_gate_rejects_a_harmful_plan_that_wins_on_speed_and_takes
     assert Plan.from_dict(out[0]["plan"]).default.label in ("fp16", "none"), decided
 
 
-#: the linear regression under wrap with the gate, two ways: a run of 4,000 steps, whose 2% is 80
-#: trial steps over 4 arms, 20 an arm, under the 40 any proof needs; and a run of 40,000 steps,
-#: whose first trial may take 800, enough to prove 8-bit quantisation at once
-PROVING = {"observe_steps": 5, "trial_steps": 2, "trial_rounds": 2, "max_trial_rounds": 3, "top": 1, "trials": 200,
-           "candidates": ["none", "qsgd(bits=8)"], "budget": 1.0, "fidelity_sample": 0}
-TOO_SHORT = {**PROVING, "expected_steps": 4000, "retrial_share": 1.0}
-LONG_ENOUGH = {**PROVING, "expected_steps": 40000, "retrial_share": None}
-
-
-@pytest.fixture(scope="module")
-def proving_runs():
-    """Both runs in one launch on 2 ranks at 100 Mbit/s (the second reuses the first's network profile)."""
-    if unavailable_reason() is not None:
-        pytest.skip(str(unavailable_reason()))
-    from autotune_programs import proving_online_loops
-
-    with EmulatedCluster(hosts=2, rate="100mbit") as cluster:
-        out = cluster.run(proving_online_loops, ([(300, TOO_SHORT), (110, LONG_ENOUGH)],), timeout=600)
-    return {"too short": [o[0] for o in out], "long enough": [o[1] for o in out]}
-
-
 def test_wrap_goes_on_proving_online_a_plan_its_first_trial_was_too_short_for_and_installs_it_once_proven(
         proving_runs):
     from advisor.runtime import Plan
@@ -288,10 +267,19 @@ def test_wrap_goes_on_proving_online_a_plan_its_first_trial_was_too_short_for_an
     at = int(unproven.split("from the weights at step ")[1].split(",")[0])
     proofs = [(step, d) for step, w, d in events if w == "proof"]
     assert proofs and proofs[0][0] == at, events
-    # near-lossless 8-bit quantisation on a steadily learning task: the longer trial proves it
-    assert "within the tolerance" in proofs[0][1] and "proven online, installed" in proofs[0][1], proofs
+    # near-lossless 8-bit quantisation on a steadily learning task: the longer trial proves it ...
+    assert "within the tolerance" in proofs[0][1] and "timed again beside fp32" in proofs[0][1], proofs
+    # ... then it races fp32 alone on the next steps, and is installed on that figure, not the race's
+    whats = [w for _, w, _ in events]
+    assert whats.index("decided") < whats.index("re-timing") < whats.index("re-timed"), events
+    (retimed,) = out[0]["retimed"]
+    assert retimed["label"].startswith("qsgd(bits=8)") and retimed["baseline"] == "fp32"
+    last = proofs[-1][1]
+    assert len(proofs) == 2 and proofs[1][0] > proofs[0][0] and "re-timed step speed-up" in last, proofs
+    assert f"{retimed['speedup']:.2f}x" in last and "proven online, installed" in last, last
     assert Plan.from_dict(out[0]["plan"]).config_for("weight").label == "qsgd(bits=8)"
     assert out[0]["history"][-1] == "proven online: qsgd(bits=8) everywhere"
+    assert out[0]["step_speedup"] == pytest.approx(retimed["speedup"]) and out[0]["tta"] <= retimed["speedup"] + 1e-9
 
 
 def test_wrap_times_a_proven_plan_again_beside_the_baseline_and_builds_its_claim_on_that(proving_runs):

@@ -156,3 +156,27 @@ def test_wrap_sharded_re_trials_a_compressed_plan_and_backs_off_only_the_one_tha
     assert [s for _, _, s in fine["retrials"]] in (["accepted"], ["not proven"]), fine["events"]
     assert "back-off" not in [w for _, w, _ in fine["events"]] and fine["plan"]["default"]["name"] == "intquant"
     assert cast["retrials"] == [] and "not re-trialled" in cast["events"][0][2]  # a cast is a baseline
+
+
+def test_wrap_sharded_times_a_proven_plan_again_beside_the_baseline_and_builds_its_claim_on_that(proving_runs):
+    a, b = proving_runs["sharded, long enough"]
+    assert [e[:2] for e in a["events"]] == [e[:2] for e in b["events"]] and a["plan"] == b["plan"]
+
+    def agreed(retimings):  # the seconds each rank spent are its own
+        return [{k: v for k, v in r.items() if k != "seconds"} for r in retimings]
+
+    assert agreed(a["retimed"]) == agreed(b["retimed"])
+    whats = [w for _, w, _ in a["events"]]
+    # proven by the trial, then raced alone beside the best fp32 path on the loop's own steps, then decided
+    assert whats.index("re-timing") < whats.index("re-timed") < whats.index("decided"), a["events"]
+    (retimed,) = a["retimed"]
+    assert retimed["label"].startswith("intquant(bits=8") and retimed["baseline"] in ("fp32", "fp32, exact all-to-all")
+    assert retimed["steps"] == 3 * 2 and len(retimed["plan_s"]) >= 3  # turns 3x the race's 2 timed steps
+    decided = next(d for _, w, d in a["events"] if w == "decided")
+    assert "re-timed alone beside" in decided, decided
+    # the claim rests on the second figure, not on the race's; installed only where it clears the bar
+    assert a["step_speedup"] == pytest.approx(retimed["speedup"])
+    if Plan.from_dict(a["plan"]).default.name == "intquant":
+        assert a["tta"] is not None and a["tta"] <= retimed["speedup"] + 1e-9
+    for n, value in a["full"].items():
+        torch.testing.assert_close(value, b["full"][n], rtol=0, atol=0)

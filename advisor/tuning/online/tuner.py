@@ -49,8 +49,9 @@ the model's forward calls, which every rank makes at the same step:
    gap's 95% lower bound) backs off one level everywhere.  Where the first trial could not
    prove the plan that won the race (too short to be powered), the trial goes on online
    instead: in those slots, from the current weights, fp32 twice and that plan, as long as
-   the last trial said it needs; proven within the tolerance and faster to accuracy than the
-   baseline at the 95% bound, it is installed.
+   the last trial said it needs; proven within the tolerance, it races the baseline alone on
+   the next steps as in 3, and is installed where that re-timed step speed-up times its step
+   efficiency beats the baseline at the 95% bound (``tuner.decision`` then says so).
 6. **gain watch** (GraVAC-style): every ``watch_every`` steps the compression gain
    ``||C(g)|| / ||g||`` of each compressed segment is measured on that step's gradients,
    averaged over ranks and compared with the gain measured right after the decision; a
@@ -72,6 +73,7 @@ watches the given plan: the way to keep checking a plan chosen offline.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -113,6 +115,7 @@ from advisor.tuning.steps import (
     unprovable,
 )
 from policies import accuracy_gate as gate
+from policies import evidence
 from policies.do_no_harm import FP32
 from policies.optuna_search import OptunaPolicy
 from policies.problem import TuningProblem
@@ -183,6 +186,7 @@ class OnlineTuner:
         self._race: Race | None = None  # the race of every arm (a re-timing races two of them after it)
         self._judge = None  # the accuracy judge, kept across the decisions a re-timing interrupts
         self._retimes: OnlineRetimes | None = None
+        self._after_retiming = self._decide  # what follows a re-timing: the decision, or an online proof's end
 
         #: whether close() stops the hook: not one the user installed and only lent to the watch
         self._owns_hook = hook is None
@@ -296,9 +300,11 @@ class OnlineTuner:
                     self._profile_and_search()
             elif isinstance(self._phase, Race):
                 if self._phase.step_starts(now, say=lambda msg: log.info("step %d: %s", self.step, msg)):
-                    if self._phase is not self._race:
+                    if self._phase is self._race:
+                        self._decide()
+                    else:
                         self._retimed(self._phase)
-                    self._decide()
+                        self._after_retiming()
             else:
                 self._phase.step_starts(self.step)
         self.step += 1
@@ -350,15 +356,7 @@ class OnlineTuner:
             decision, checked, rejected = decide_time_to_accuracy(self.measured, self._judge, group=self.group,
                                                                   retime=self._retimes.retime)
         except RetimeNeeded as need:
-            self._phase = self._retimes.race(need)
-            timing = self._phase
-            rounds = (f"{timing.min_rounds}" if timing.min_rounds == timing.max_rounds else
-                      f"{timing.min_rounds} to {timing.max_rounds}")
-            self._note("re-timing", f"{race.arms[need.decision.chosen].description} was proven by the trial; it "
-                                    f"races {need.decision.best_baseline} alone now, {timing.steps} timed steps a "
-                                    f"turn, {rounds} rounds, before its time to accuracy is judged (the race's "
-                                    f"{need.decision.step_speedup().describe()} chose it, so errs in its favour)")
-            self._phase.start(time.perf_counter())
+            self._retime(need, "the trial", then=self._decide)
             return
         self.decision = decision
         if checked and self.accuracy is not None:
@@ -421,14 +419,51 @@ class OnlineTuner:
                 # short trial's estimate can be wild): later tries double it
                 shortest = 2 * gate.MIN_PROOF_STEPS
                 steps = min(max(self.accuracy.steps_needed, shortest), max(2 * self.accuracy.steps, shortest))
-                self._unproven = PendingProof(raced.label, raced.plan, raced.description, decision.step_speedup(),
-                                              decision.best_baseline, steps)
+                self._unproven = PendingProof(raced.label, raced.plan, raced.description,
+                                              dataclasses.replace(decision), steps)
             if not arm.accepted:
                 self._note("accuracy", f"{decision.chosen} rejected: {arm.reason}")
             judged[decision.chosen] = arm
             return arm
 
         return judge
+
+    def _retime(self, need: RetimeNeeded, proven_by: str, then) -> None:
+        """Race the proven plan beside its baseline alone on the next steps; ``then()`` once it ends."""
+        self._phase = timing = self._retimes.race(need)
+        self._after_retiming = then
+        rounds = (f"{timing.min_rounds}" if timing.min_rounds == timing.max_rounds else
+                  f"{timing.min_rounds} to {timing.max_rounds}")
+        self._note("re-timing", f"{self._race.arms[need.decision.chosen].description} was proven by {proven_by}; it "
+                                f"races {need.decision.best_baseline} alone now, {timing.steps} timed steps a "
+                                f"turn, {rounds} rounds, before its time to accuracy is judged (the race's "
+                                f"{need.decision.step_speedup().describe()} chose it, so errs in its favour)")
+        timing.start(time.perf_counter())
+
+    def _retime_proof(self, proof: PendingProof, arm) -> None:
+        """The watch proved ``proof`` online: leave the watch and time the plan again beside its baseline."""
+        self._phase.close()
+        self._retime(RetimeNeeded(proof.decision, arm), "the online trial",
+                     then=lambda: self._proof_retimed(proof, arm))
+
+    def _proof_retimed(self, proof: PendingProof, arm) -> None:
+        """Install the plan proven online where its re-timed time to accuracy beats the baseline's at
+        the 95% bound; else go back to the baseline.  Either way, watch again."""
+        step = self._retimes.retime(proof.decision, arm)
+        tta = evidence.time_to_accuracy(step, arm.efficiency_estimate())
+        said = (f"time to accuracy {tta.describe()} vs {proof.baseline} (re-timed step speed-up {step.describe()} x "
+                f"step efficiency, 95% bounds; the race's {proof.step_speedup.describe()})")
+        if tta.lower() > 1:
+            self.decision = dataclasses.replace(
+                proof.decision, retimed=step, tta=tta,
+                reason=f"{proof.description}: proven online within the tolerance; {said}")
+            self._note("proof", f"{said}: proven online, installed")
+            self.hook.set_plan(proof.plan, reason=f"proven online: {proof.description}")
+        else:
+            self._note("proof", f"{said}: not shown faster, not installed; {self.decision.chosen} stands")
+            self.hook.set_plan(self._race.arms[self.decision.chosen].plan,
+                               reason=f"online decision: {self.decision.chosen}")
+        self._phase = self._watch(first_in=1)
 
     def _retimed(self, race: Race) -> None:
         done = self._retimes.finished(race)
@@ -448,7 +483,7 @@ class OnlineTuner:
             if proof is not None:  # a proof's fp32 pair and plan
                 at = self.step + math.ceil(3 * proof.arm_steps / self._retrial_share)
             retrial = dict(retrial=self._retrial, retrial_share=self._retrial_share, retrial_at=at, proof=proof,
-                           prove=self._prove)
+                           prove=self._prove, retime=self._retime_proof)
         return Watch(self.ddp, self.hook, self.candidates, losses=self.losses, note=self._note, group=self.group,
                      monitor=monitor, **retrial, **self._watch_settings, **where)
 

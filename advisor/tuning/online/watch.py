@@ -19,6 +19,7 @@ from advisor.runtime.monitor import FidelityMonitor, FidelityReading
 from advisor.runtime.simulate import SimulatedRanks
 from policies import accuracy_gate as gate
 from policies.baselines import BASELINES
+from policies.do_no_harm import Decision
 from policies.evidence import Estimate, one_sided_z, time_to_accuracy
 
 WATCH = "watch"
@@ -50,18 +51,26 @@ MAX_PROOF_ATTEMPTS = 3
 class PendingProof:
     """A compressed plan that won the race on speed but that the first accuracy trial could not prove.
 
-    ``step_speedup``: its step speed-up over ``baseline`` measured in the race (95% bounds);
-    ``arm_steps``: how many steps an arm the next online trial may train (it stops sooner
-    once powered); ``attempts``: online trials run so far.
+    ``decision``: the race's decision for it (its step speed-up over the best baseline, 95%
+    bounds); ``arm_steps``: how many steps an arm the next online trial may train (it stops
+    sooner once powered); ``attempts``: online trials run so far.
     """
 
     label: str
     plan: Plan
     description: str
-    step_speedup: Estimate
-    baseline: str
+    decision: Decision
     arm_steps: int
     attempts: int = 0
+
+    @property
+    def step_speedup(self) -> Estimate:
+        """Its step speed-up over :attr:`baseline` in the race."""
+        return self.decision.step_speedup()
+
+    @property
+    def baseline(self) -> str:
+        return self.decision.best_baseline
 
 
 def check_retrial_share(retrial_share) -> None:
@@ -134,10 +143,12 @@ class Watch:
     gap's 95% lower bound) backs off one level everywhere.  **Proof** (``proof``, a
     :class:`PendingProof`): where the first trial could not prove the plan that won the race,
     those slots go to proving it instead (``prove(proof) -> (ArmResult, report)``, a trial of up
-    to ``proof.arm_steps`` steps an arm, twice as long at each try); once proven within the tolerance, and faster to
-    accuracy than the baseline at the 95% bound (its race speed-up times its step efficiency),
-    it is installed; rejected, or still not proven after :data:`MAX_PROOF_ATTEMPTS` tries, it
-    is given up.  The next two run every ``every`` steps.
+    to ``proof.arm_steps`` steps an arm, twice as long at each try); once proven within the
+    tolerance, ``retime(proof, arm)`` takes over where given (the tuner times it again beside
+    the baseline, ends this watch and decides on that figure); without it, a plan faster to
+    accuracy than the baseline at the 95% bound (its race speed-up times its step efficiency)
+    is installed.  Rejected, or still not proven after :data:`MAX_PROOF_ATTEMPTS` tries, it is
+    given up.  The next two run every ``every`` steps.
 
     **Gain** (GraVAC-style): the compression gain ``||C(g)|| / ||g||`` of each parameter under
     a lossy config, measured on that step's gradients and averaged over ranks, against the
@@ -160,7 +171,8 @@ class Watch:
                  note: Callable[[str, str], None], first_in: int = 1, pending: Plan | None = None,
                  pending_at: int = 0, monitor: FidelityMonitor | None = None, drift: float = 3.0,
                  retrial: Callable | None = None, retrial_at: int = 0, retrial_share: float = 0.03,
-                 proof: PendingProof | None = None, prove: Callable | None = None, group=None) -> None:
+                 proof: PendingProof | None = None, prove: Callable | None = None, retime: Callable | None = None,
+                 group=None) -> None:
         self.ddp, self.hook, self.candidates, self.group = ddp, hook, list(candidates), group
         self.monitor, self.drift = monitor, drift
         #: every window the fidelity monitor read, in order
@@ -174,6 +186,7 @@ class Watch:
         #: (step, plan digest, ArmResult) of every re-trial and online proof
         self.retrials: list = []
         self.proof, self.prove = (proof, prove) if retrial is not None else (None, None)
+        self.retime = retime
         self.every, self.backoff, self.loss_z = every, backoff, loss_z
         self.losses, self.note = losses, note
         self.world = world_size(group)
@@ -186,6 +199,7 @@ class Watch:
         self._watching = False
         self._trend: tuple[float, float, float] | None = None
         self._strikes = 0
+        self._closed = False
         if monitor is not None:
             monitor.start()
 
@@ -209,6 +223,8 @@ class Watch:
                 self._check_fidelity(reading)
         if self.retrial is not None:
             self._maybe_retrial(step)
+            if self._closed:  # a proof handed the steps over to its re-timing
+                return
         if self._watching:
             self._compare_gains()
             self._check_loss(step)
@@ -218,6 +234,7 @@ class Watch:
             self._countdown = self.every
 
     def close(self) -> None:
+        self._closed = True
         self._stop_measuring_gains()
         if self.monitor is not None:
             self.monitor.close()
@@ -260,8 +277,9 @@ class Watch:
         else:
             return
         cost_s = self._retrial_clock.ran(step, now)
-        self.note(what, f"{detail} (from the weights at step {step}; {cost_s:.1f} s, next at step "
-                        f"{self._retrial_clock.at})")
+        handed_over = what == "proof" and self.proof is None and then is not None and self.retime is not None
+        self.note(what, f"{detail} (from the weights at step {step}; {cost_s:.1f} s" + (
+            ")" if handed_over else f", next at step {self._retrial_clock.at})"))
         if then is not None:
             then()
 
@@ -296,6 +314,9 @@ class Watch:
         if arm.status == gate.REJECTED:
             return f"{arm.reason}; given up", None
         efficiency = arm.efficiency_estimate()
+        if efficiency is not None and self.retime is not None:
+            return (f"{arm.reason}; proven within the tolerance online: it is timed again beside {proof.baseline} "
+                    "before its time to accuracy is judged", lambda: self.retime(proof, arm))
         tta = time_to_accuracy(proof.step_speedup, efficiency) if efficiency is not None else None
         if tta is None or not tta.lower() > 1:
             faster = f"{tta.describe()} vs {proof.baseline} (95% bounds)" if tta else "unreadable (fp32's curve is flat)"
