@@ -281,6 +281,23 @@ def bad_gate_arguments(rank: int, world_size: int):
     return messages
 
 
+def converging_step(model, teacher, opt, schedule, g) -> None:
+    """One step of the converging regression: a fresh batch from ``g``, its loss scaled down so that
+    the gradients fall below fp16's range as the student converges."""
+    x = torch.randn(64, 64, generator=g)
+    with torch.no_grad():
+        y = teacher(x)
+    opt.zero_grad()
+    (nn.functional.mse_loss(model(x), y) * 1e-2).backward()
+    opt.step()
+    schedule.step()
+
+
+def held_out_mse(student, teacher, x_test) -> float:
+    with torch.no_grad():
+        return float(nn.functional.mse_loss(student(x_test), teacher(x_test)))
+
+
 def converging_regression(rank: int, world_size: int, steps: int, runs: list[tuple[str, int, bool]]):
     """A noiseless linear regression under AdamW whose gradients shrink by orders of magnitude as
     it converges: fp16 flushes them once they fall below its range, late, and stalls there.
@@ -312,16 +329,9 @@ def converging_regression(rank: int, world_size: int, steps: int, runs: list[tup
         for i in range(steps + 10 * installed):
             if i == steps:
                 tuner.close()  # the installed hook goes on alone
-            x = torch.randn(64, 64, generator=g)
-            with torch.no_grad():
-                y = teacher(x)
-            opt.zero_grad()
-            (nn.functional.mse_loss(ddp(x), y) * 1e-2).backward()
-            opt.step()
-            schedule.step()
+            converging_step(ddp, teacher, opt, schedule, g)
             if (i + 1) % 50 == 0 and i < steps:
-                with torch.no_grad():
-                    curve.append(float(nn.functional.mse_loss(student(x_test), teacher(x_test))))
+                curve.append(held_out_mse(student, teacher, x_test))
             if i == steps - 1:
                 digest, final = tuner.plan.digest(), tuner.plan.config_for("weight").label
                 events = [(e.step, e.what, e.detail) for e in tuner.events]

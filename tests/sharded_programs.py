@@ -439,3 +439,118 @@ def sharded_proving_loop(rank: int, world_size: int, steps: int, kwargs: dict):
             "tta": None if decision is None or decision.tta is None else decision.tta.value,
             "step_speedup": None if decision is None else decision.step_speedup().value,
             "full": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}}
+
+
+class _WindowRecorder:
+    """Watches the comms as the fidelity monitor does, but keeps every value: the whole window's error."""
+
+    def __init__(self) -> None:
+        self.inputs: dict[int, list[torch.Tensor]] = {}
+        self.outputs: dict[int, list[torch.Tensor]] = {}
+
+    def local(self, comm, rows):
+        self.inputs.setdefault(id(comm), []).append(rows.detach().float().clone())
+
+    def delivered(self, comm, output, avg):
+        import torch.distributed as dist
+
+        self.outputs.setdefault(id(comm), []).append(output.detach().float().clone() * (
+            dist.get_world_size() if avg else 1))
+
+    def window_error(self, comms, first: int, steps: int) -> float:
+        """``||delivered - exact|| / ||exact||`` of the window's summed reduce-scatters, over every group's
+        whole buffer (every rank's delivered row gathered)."""
+        import torch.distributed as dist
+
+        errors, norms = 0.0, 0.0
+        for comm in comms:
+            exact = torch.stack(self.inputs[id(comm)][first:first + steps]).sum(0)
+            dist.all_reduce(exact)
+            mine = torch.stack(self.outputs[id(comm)][first:first + steps]).sum(0).reshape(-1)
+            rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(rows, mine)
+            got = torch.stack(rows)
+            errors += float((got - exact).pow(2).sum())
+            norms += float(exact.pow(2).sum())
+        return (errors / norms) ** 0.5
+
+
+def monitored_sharded(rank: int, world_size: int, window: int, windows: int):
+    """The wide blocks under a mixed plan (8-bit, PowerSGD rank 2, fp16, the root's group FSDP's own),
+    watched by the sharded fidelity monitor and by a recorder that keeps every value; a step
+    without gradient sync after every other one.  Each reading beside the whole window's error."""
+    import advisor.runtime.sharded as rs
+    from advisor.runtime import Plan
+    from advisor.runtime.sharded_monitor import ShardedFidelityMonitor
+
+    model = _wide_sharded()
+    configs = {"blocks.0": "intquant(bits=8)", "blocks.1": "powersgd(rank=2)", "blocks.2": "fp16"}
+    plan = Plan.from_assignments({n: configs[n[:8]] for n, _ in model.named_parameters() if n[:8] in configs},
+                                 warmup_steps=0)
+    groups = rs.install_sharded(model, plan)
+    monitor = ShardedFidelityMonitor(model, groups, sample=4096, window=window)
+    recorder = _WindowRecorder()
+    watched = [g.comm for g in groups if g.comm is not None]
+    for comm in watched:
+        comm.watchers.append(recorder)
+    monitor.start()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    batches = _teacher_batches(rank, 8)
+    readings, synced = [], 0
+    for i in range(2 * window * windows):
+        unsynced = i % 2 == 1
+        model.set_requires_gradient_sync(not unsynced)
+        _cross_entropy(model, batches[i % 8]).backward()
+        if not unsynced:
+            opt.step()
+            opt.zero_grad()
+            synced += 1
+        reading = monitor.step_ends()
+        if reading is not None:
+            readings.append({**reading.__dict__, "whole": recorder.window_error(watched, synced - window, window)})
+    monitor.close()
+    return {"readings": readings, "watchers": [len(c.watchers) for c in watched],
+            "labels": sorted({g.config.label for g in groups})}
+
+
+def converging_sharded(rank: int, world_size: int, steps: int, runs: list[tuple[str, int]]):
+    """The DDP tests' noiseless regression under AdamW (``autotune_programs.converging_regression``),
+    sharded: its gradients shrink by orders of magnitude, and fp16 flushes them late.
+
+    ``runs``: (plan label, fidelity_sample), each trained from the same start on the same batches
+    under ``wrap_sharded(plan=...)``; each run's held-out loss every 50 steps, events, readings and
+    the plan it ended with."""
+    from autotune_programs import converging_step, held_out_mse
+    from torch.distributed.fsdp import fully_shard
+
+    import advisor
+    from advisor.runtime import Plan
+
+    out = []
+    x_test = torch.randn(512, 64, generator=torch.Generator().manual_seed(99))
+    for label, sample in runs:
+        torch.manual_seed(0)
+        teacher, student = nn.Linear(64, 16), nn.Linear(64, 16)
+        fully_shard(student)
+        opt = torch.optim.AdamW(student.parameters(), lr=1e-2, weight_decay=0.0)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+        tuner = advisor.wrap_sharded(student, opt, plan=Plan.uniform(label, warmup_steps=0),
+                                     fidelity_sample=sample, fidelity_window=25)
+        g = torch.Generator().manual_seed(1 + rank)
+        curve = []
+        for i in range(steps):
+            converging_step(student, teacher, opt, schedule, g)
+            if (i + 1) % 50 == 0:
+                curve.append(held_out_mse(student, teacher, x_test))
+        tuner.close()
+        out.append({"plan": label, "sample": sample, "curve": curve, "final": tuner.plan.default.label,
+                    "events": [(e.step, e.what, e.detail) for e in tuner.events],
+                    "readings": [(r.first_step, r.steps, r.error, r.zeroed) for r in tuner.fidelity]})
+    return out
+
+
+def sharded_monitor_runs(rank: int, world_size: int):
+    """Every program the sharded monitor's tests read, in one launch."""
+    return {"windows": monitored_sharded(rank, world_size, 4, 2),
+            "converging": converging_sharded(rank, world_size, 400, [("none", 2048), ("bf16", 2048),
+                                                                      ("fp16", 0), ("fp16", 2048)])}

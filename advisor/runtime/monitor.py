@@ -141,23 +141,17 @@ class FidelityMonitor:
         if not names:
             self._local = self._delivered = None
             return
-        sizes = torch.tensor([self._numel[n] for n in names], dtype=torch.int64)
-        ends = torch.cumsum(sizes, 0)
-        generator = torch.Generator().manual_seed(plan.seed * 1_000_003 + self._windows)
+        drawn, parts = draw_sample([self._numel[n] for n in names], self.sample, plan.seed * 1_000_003 + self._windows)
         self._windows += 1
-        flat = torch.randint(int(ends[-1]), (self.sample,), generator=generator).unique()
-        owner = torch.searchsorted(ends, flat, right=True)
-        starts = ends - sizes
-        self._labels = [""] * flat.numel()
-        for i, name in enumerate(names):
-            slots = (owner == i).nonzero().flatten()
+        self._labels = [""] * drawn
+        for name, (slots, offsets) in zip(names, parts):
             if slots.numel():
-                self._where[name] = (slots, flat[slots] - starts[i])
+                self._where[name] = (slots, offsets)
                 label = plan.config_for(name).label
                 for s in slots.tolist():
                     self._labels[s] = label
-        self._local = torch.full((self.window, flat.numel()), float("nan"))
-        self._delivered = torch.full((self.window, flat.numel()), float("nan"))
+        self._local = torch.full((self.window, drawn), float("nan"))
+        self._delivered = torch.full((self.window, drawn), float("nan"))
 
     # --- what the hook shows -----------------------------------------------------------------------
     def _take(self, layout: SegmentLayout, segment: torch.Tensor, into: torch.Tensor | None) -> None:
@@ -193,31 +187,59 @@ class FidelityMonitor:
     def _read(self) -> FidelityReading:
         local = self._local.clone()
         if world_size(self.group) > 1:
-            backend = dist.get_backend(self.group)
-            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-            moved = local.to(device)
-            dist.all_reduce(moved, group=self.group)
-            local = moved.cpu()
-        exact = local / world_size(self.group)
-        delivered = self._delivered
-        # a coordinate no rank saw on every step (an unused parameter) is left out, alike on every rank
-        seen = torch.isfinite(exact).all(0) & torch.isfinite(delivered).all(0)
-        exact, delivered = exact[:, seen], delivered[:, seen]
-        labels = [label for label, keep in zip(self._labels, seen.tolist()) if keep]
-        scale = exact.pow(2).mean(0).sqrt() if self.per_coordinate else torch.ones(exact.shape[1])
-        live = scale > 0
-        got, want = delivered.sum(0), exact.sum(0)
-        error = _relative(got, want, scale, live)
-        per_step = [_relative(delivered[t], exact[t], scale, live) for t in range(exact.shape[0])]
-        zeroed = ((delivered == 0) & (exact != 0))[:, live]
-        by_config = {}
-        for label in sorted(set(labels)):
-            mine = torch.tensor([lab == label for lab in labels]) & live
-            by_config[label] = _relative(got, want, scale, mine)
-        return FidelityReading(
-            first_step=self._first_step, steps=exact.shape[0], coordinates=int(live.sum()), error=error,
-            step_error=sum(per_step) / len(per_step), zeroed=float(zeroed.float().mean()) if zeroed.numel() else 0.0,
-            per_coordinate=self.per_coordinate, by_config=by_config)
+            local = all_reduced(local, self.group)
+        return read_window(local / world_size(self.group), self._delivered, self._labels, self.per_coordinate,
+                           self._first_step)
+
+
+def draw_sample(sizes: Sequence[int], sample: int, seed: int) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``sample`` positions drawn uniformly (repeats dropped) across parts of ``sizes`` laid end to end,
+    from a generator seeded by ``seed`` (so every rank draws the same): how many were kept, and for
+    each part its slots among them and their offsets in it."""
+    sizes = torch.tensor(list(sizes), dtype=torch.int64)
+    ends = torch.cumsum(sizes, 0)
+    flat = torch.randint(int(ends[-1]), (sample,), generator=torch.Generator().manual_seed(seed)).unique()
+    owner = torch.searchsorted(ends, flat, right=True)
+    starts = ends - sizes
+    parts = []
+    for i in range(len(sizes)):
+        slots = (owner == i).nonzero().flatten()
+        parts.append((slots, flat[slots] - starts[i]))
+    return flat.numel(), parts
+
+
+def all_reduced(values: torch.Tensor, group) -> torch.Tensor:
+    """The sum of ``values`` over the ranks of ``group``, on CPU (moved to the GPU and back under NCCL)."""
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    moved = values.to(device)
+    dist.all_reduce(moved, group=group)
+    return moved.cpu()
+
+
+def read_window(exact: torch.Tensor, delivered: torch.Tensor, labels: Sequence[str], per_coordinate: bool,
+                first_step: int) -> FidelityReading:
+    """A window's reading from the exact and delivered values of its sampled coordinates, ``(steps,
+    coordinates)`` each, alike on every rank (``labels``: each coordinate's config).  A coordinate
+    not seen on every step (NaN in either) is left out."""
+    seen = torch.isfinite(exact).all(0) & torch.isfinite(delivered).all(0)
+    exact, delivered = exact[:, seen], delivered[:, seen]
+    labels = [label for label, keep in zip(labels, seen.tolist()) if keep]
+    scale = exact.pow(2).mean(0).sqrt() if per_coordinate else torch.ones(exact.shape[1])
+    live = scale > 0
+    got, want = delivered.sum(0), exact.sum(0)
+    error = _relative(got, want, scale, live)
+    per_step = [_relative(delivered[t], exact[t], scale, live) for t in range(exact.shape[0])]
+    zeroed = ((delivered == 0) & (exact != 0))[:, live]
+    by_config = {}
+    for label in sorted(set(labels)):
+        mine = torch.tensor([lab == label for lab in labels], dtype=torch.bool) & live
+        by_config[label] = _relative(got, want, scale, mine)
+    return FidelityReading(
+        first_step=first_step, steps=exact.shape[0], coordinates=int(live.sum()), error=error,
+        step_error=sum(per_step) / len(per_step) if per_step else 0.0,
+        zeroed=float(zeroed.float().mean()) if zeroed.numel() else 0.0, per_coordinate=per_coordinate,
+        by_config=by_config)
 
 
 def _relative(got: torch.Tensor, exact: torch.Tensor, scale: torch.Tensor, keep: torch.Tensor) -> float:

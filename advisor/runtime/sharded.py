@@ -85,6 +85,9 @@ class ExactReduceScatter(_reduce_scatter_base()):
         self.wire_dtype = wire_dtype
         self.name = name
         self.nonfinite_events = 0
+        #: what watches the exchange (:class:`advisor.runtime.sharded_monitor.ShardedFidelityMonitor`):
+        #: ``local(comm, rows)`` before it, ``delivered(comm, output, avg)`` after
+        self.watchers: list = []
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -93,12 +96,22 @@ class ExactReduceScatter(_reduce_scatter_base()):
         world = dist.get_world_size(group)
         rows = input_tensor.view(world, -1)
         self._zero_nonfinite(rows)
+        self._show_local(rows)
         received = self._exchange(rows, group)
         summed = received.sum(dim=0, dtype=torch.float32)
         if _is_avg(op):
             summed.div_(world)
         output_tensor.copy_(summed)
+        self._show_delivered(output_tensor, op)
         return None
+
+    def _show_local(self, rows: torch.Tensor) -> None:
+        for watcher in self.watchers:
+            watcher.local(self, rows)
+
+    def _show_delivered(self, output: torch.Tensor, op) -> None:
+        for watcher in self.watchers:
+            watcher.delivered(self, output, _is_avg(op))
 
     # --- what crosses the wire --------------------------------------------------------
     def _exchange(self, rows: torch.Tensor, group) -> torch.Tensor:
@@ -242,6 +255,7 @@ class PowerSGDReduceScatter(ExactReduceScatter):
         me = dist.get_rank(group)
         rows = input_tensor.view(world, -1)
         self._zero_nonfinite(rows)
+        self._show_local(rows)
         matrices = self.matrices()
         exact = [s for s in self.layout if s not in matrices]
         out = output_tensor.view(-1)
@@ -279,6 +293,7 @@ class PowerSGDReduceScatter(ExactReduceScatter):
                 out[s.offset:s.offset + s.numel].copy_(mine.view(-1))
         if _is_avg(op):
             out.div_(world)
+        self._show_delivered(output_tensor, op)
         return None
 
     def _matrix(self, rows: torch.Tensor, s: ShardSegment, world: int) -> torch.Tensor:
@@ -438,9 +453,15 @@ def group_numel(module) -> int:
     """How many values a ``fully_shard`` module's reduce-scatter takes in: every rank's row of
     every parameter's (padded) shard."""
     state = module._get_fsdp_state()
-    fsdp_params = [fp for g in state._fsdp_param_groups for fp in g.fsdp_params]
     world = state._fsdp_param_groups[0].mesh_info.shard_mesh_size if state._fsdp_param_groups else 1
-    return world * sum(fp.padded_sharded_param_size.numel() for fp in fsdp_params)
+    return world * row_width(module)
+
+
+def row_width(module) -> int:
+    """How many values one row of a ``fully_shard`` module's reduce-scatter holds: one rank's (padded)
+    shard of every parameter, and so the reduced shard the rank receives."""
+    state = module._get_fsdp_state()
+    return sum(fp.padded_sharded_param_size.numel() for g in state._fsdp_param_groups for fp in g.fsdp_params)
 
 
 def _group_plan(plan: Plan, found) -> list[ShardedGroup]:

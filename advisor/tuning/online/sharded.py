@@ -27,13 +27,18 @@ Driven from the model's forward calls, which every rank makes at the same step:
    schedules its own); one that has fallen behind fp32 beyond the tolerance backs off on every
    rank to the 16-bit cast that raced (else the optimizer's cast among the candidates, else
    FSDP's own reduce-scatter), and an event says so with the numbers.
+6. **monitor** a plan that compresses any group, as :func:`advisor.wrap` does: each step a
+   sample of positions in the compressed groups' reduce-scatter buffers
+   (:class:`advisor.runtime.sharded_monitor.ShardedFidelityMonitor`, ``fidelity_sample``
+   positions), read against the exact sum every ``fidelity_window`` steps; the plan's first
+   window is its reference, and two windows in a row beyond ``fidelity_drift`` times it back the
+   plan off on every rank, as a re-trial that shows harm does (fp16 to bf16, where fp16's range
+   is what gave out).  Unlike :func:`advisor.wrap`, no loss watch follows the plan.
 
 Without ``loss_fn``, ``batches`` and ``build`` there is no accuracy evidence: only the baselines
 race (the compressed plans are left out, and an event says so).  With them, the plan that wins
 on speed must pass the paired accuracy trial on shadows from ``build()``
 (:func:`advisor.tuning.sharded.sharded_shadows`), as in :func:`advisor.autotune_sharded`.
-Unlike :func:`advisor.wrap`, no fidelity monitor or loss watch follows the plan: the re-trials
-are the check.
 """
 
 from __future__ import annotations
@@ -47,12 +52,22 @@ import torch
 
 from advisor.core.documents import check_int
 from advisor.runtime import Plan
+from advisor.runtime.monitor import DEFAULT_SAMPLE, DEFAULT_WINDOW, FidelityReading
 from advisor.runtime.plan import as_plan
 from advisor.runtime.sharded import SHARDED_CONFIGS, ShardedSwitch
+from advisor.runtime.sharded_monitor import ShardedFidelityMonitor
 from advisor.tuning.accuracy import AccuracyTrial, check_evaluate
 from advisor.tuning.online.trial import OnlineRetimes, Race, RetimeNeeded
 from advisor.tuning.online.tuner import TunerEvent
-from advisor.tuning.online.watch import RetrialClock, check_retrial_share, first_retrial_in, harm_shown, is_lossy
+from advisor.tuning.online.watch import (
+    FidelityDrift,
+    RetrialClock,
+    check_fidelity_settings,
+    check_retrial_share,
+    first_retrial_in,
+    harm_shown,
+    is_lossy,
+)
 from advisor.tuning.sharded import (
     NATIVE,
     keep_fsdp_unless_exact_is_faster,
@@ -72,7 +87,7 @@ from policies import accuracy_gate as gate
 from policies.do_no_harm import CANDIDATE, SIXTEEN_BIT
 from policies.sharded import ShardedProblem, search_sharded
 from profilers.sharded import RowCapture, ShardedProfile, check_sharded_configs
-from profilers.training_state import preferred_sixteen_bit
+from profilers.training_state import preferred_sixteen_bit, scales_per_coordinate
 
 OBSERVE, RACE, DECIDED = "observe", "race", "decided"
 
@@ -97,10 +112,12 @@ class ShardedOnlineTuner:
                  build: Callable[[], torch.nn.Module] | None = None, evaluate=None, held_out=None,
                  metric: str = "loss", expected_steps: int | None = None, trial_share: float = DEFAULT_TRIAL_SHARE,
                  trial_s: float | None = None, tolerance: float = gate.DEFAULT_TOLERANCE,
-                 retrial_share: float | None = 0.03, plan: Plan | Mapping[str, Any] | str | None = None,
-                 group=None) -> None:
+                 retrial_share: float | None = 0.03, fidelity_sample: int = DEFAULT_SAMPLE,
+                 fidelity_window: int = DEFAULT_WINDOW, fidelity_drift: float = 3.0,
+                 plan: Plan | Mapping[str, Any] | str | None = None, group=None) -> None:
         self.labels = check_sharded_configs(candidates)
         check_retrial_share(retrial_share)
+        check_fidelity_settings(fidelity_sample, fidelity_window, fidelity_drift)
         for name, value, minimum in (("observe_steps", observe_steps, 2), ("trial_steps", trial_steps, 1),
                                      ("trial_rounds", trial_rounds, 2), ("top", top, 1), ("repeats", repeats, 1)):
             check_int(name, value, minimum)
@@ -132,6 +149,15 @@ class ShardedOnlineTuner:
         self.plan = Plan.uniform("none", warmup_steps=0)
         self._retrial_share = retrial_share
         self._retrials: RetrialClock | None = None
+        self._fidelity_settings = dict(sample=fidelity_sample, window=fidelity_window,
+                                       per_coordinate=scales_per_coordinate(optimizer))
+        self._drift_factor = fidelity_drift
+        self._monitor: ShardedFidelityMonitor | None = None
+        self._drift: FidelityDrift | None = None
+        #: every window the fidelity monitor read, in order
+        self.fidelity: list[FidelityReading] = []
+        #: configs the plan backed off from (never chosen again)
+        self._left: set[str] = set()
         #: (step, plan digest, ArmResult) of every re-trial of the plan in use
         self.retrials: list = []
         self._capture = RowCapture(model)
@@ -151,13 +177,37 @@ class ShardedOnlineTuner:
         self._handle = model.register_forward_pre_hook(self._on_forward, prepend=True)
 
     def _keep_given(self, plan: Plan) -> None:
-        """A plan the user chose: installed now (every rank must hold the same), then only re-trialled."""
-        self.switch.set(plan)
+        """A plan the user chose: installed now (every rank must hold the same), then re-trialled and monitored."""
         self.plan, self.phase = plan, DECIDED
+        self._install(plan)
         watched = self._schedule_retrials(None)
         self._note("given", f"the given plan ({plan.digest()}) installed; "
                    + (f"re-trialled as training pays for it at retrial_share={self._retrial_share:g}" if watched else
                       "not re-trialled (it needs loss_fn, batches and build, a compressed plan and retrial_share)"))
+
+    def _install(self, plan: Plan | None) -> None:
+        """Run ``plan`` on every group (None: FSDP's own path everywhere), and monitor its fidelity
+        where it compresses a group and the monitor is on."""
+        if self._monitor is not None:
+            self._monitor.close()
+        self._monitor = self._drift = None
+        if plan is None:
+            self.switch.restore()
+            return
+        groups = self.switch.set(plan)
+        if not self._fidelity_settings["sample"]:
+            return
+        monitor = ShardedFidelityMonitor(self.model, groups, **self._fidelity_settings, seed=plan.seed,
+                                         at_step=self.step, group=self.group)
+        try:
+            monitor.start()
+        except ValueError as exc:  # a mesh it cannot read (HSDP): every rank alike, and training goes on
+            self._note("fidelity", f"the plan is not monitored: {exc}")
+            return
+        if monitor.watching:
+            self._monitor, self._drift = monitor, FidelityDrift(self._drift_factor)
+        else:
+            monitor.close()
 
     def _schedule_retrials(self, trial_steps: int | None) -> bool:
         """Re-trial the plan in use from now on, where it compresses and the gate has its data (``trial_steps``:
@@ -182,8 +232,10 @@ class ShardedOnlineTuner:
         """Accepted as :class:`advisor.tuning.online.OnlineTuner` accepts it; steps are timed whole here."""
 
     def close(self) -> None:
-        """Stop tuning (the plan in use stays installed)."""
+        """Stop tuning (the plan in use stays installed, unwatched)."""
         self._handle.remove()
+        if self._monitor is not None:
+            self._monitor.close()
         if self.phase == OBSERVE:
             self._capture.stop()
 
@@ -201,8 +253,10 @@ class ShardedOnlineTuner:
                                        f"{done.high:.2f}) per step over {len(done.plan_s)} rounds, against the "
                                        f"race's {done.race_speedup:.2f}x ({self._timing.ended})")
             self._decide()
-        elif self.phase == DECIDED and self._retrials is not None and self._retrials.due(self.step):
-            self._retrial(now)
+        elif self.phase == DECIDED:
+            self._check_fidelity()
+            if self._retrials is not None and self._retrials.due(self.step):
+                self._retrial(now)
         self.step += 1
 
     def _note(self, what: str, detail: str) -> None:
@@ -260,10 +314,7 @@ class ShardedOnlineTuner:
         keep_fsdp_unless_exact_is_faster(decision, self.measured)
         self.decision = decision
         self.plan = self._arms[decision.chosen].plan
-        if decision.chosen == NATIVE:
-            self.switch.restore()  # FSDP's own path
-        else:
-            self.switch.set(self.plan)
+        self._install(None if decision.chosen == NATIVE else self.plan)  # NATIVE: FSDP's own path
         self.phase = DECIDED
         self._note("decided", f"{decision.reason} (race {self._race.ended})")
         self._schedule_retrials(self.accuracy.steps if self.accuracy else None)
@@ -283,24 +334,42 @@ class ShardedOnlineTuner:
                                f"{self._retrials.at})")
         if low is None:
             return
+        self._back_off(f"the re-trial showed it {arm.gap:+.2%} behind fp32, at least {low:+.2%}")
+
+    def _check_fidelity(self) -> None:
+        """The monitor's window, where one ended: the plan's first is its reference; two drifted in a row
+        back the plan off on every rank (every rank reads the same numbers)."""
+        reading = self._monitor.step_ends() if self._monitor is not None else None
+        if reading is None:
+            return
+        self.fidelity.append(reading)
+        said, drifted = self._drift.see(reading)
+        if said:
+            self._note("fidelity", said)
+        if drifted:
+            self._back_off("its delivered gradient drifted from the exact sum")
+
+    def _back_off(self, why: str) -> None:
+        """Move every group to a less lossy plan, on every rank, and say so."""
+        plan = self.plan
+        self._left |= {c.label for c in plan.configs() if c.name != "none"}
         self.plan, softer = self._softer()
-        if self.plan.default.name == "none" and not self.plan.groups:
-            self.switch.restore()  # FSDP's own path
-        else:
-            self.switch.set(self.plan)
-        self._retrials = None  # a baseline is not re-trialled
-        self._note("back-off", f"{plan.digest()} -> {softer} on every group (the re-trial showed it {arm.gap:+.2%} "
-                               f"behind fp32, at least {low:+.2%})")
+        native = self.plan.default.name == "none" and not self.plan.groups
+        self._install(None if native else self.plan)  # FSDP's own path where nothing is compressed
+        if not is_lossy(self.plan):
+            self._retrials = None  # a baseline is not re-trialled
+        self._note("back-off", f"{plan.digest()} -> {softer} on every group ({why})")
 
     def _softer(self) -> tuple[Plan, str]:
-        """Where a compressed plan backs off to: the 16-bit cast that raced, else the optimizer's among the
-        candidates, else FSDP's own fp32 reduce-scatter."""
-        raced = next((a for a in self._arms.values() if a.kind == SIXTEEN_BIT), None)
-        if raced is not None:
-            return raced.plan, raced.description
-        cast = preferred_sixteen_bit(self.optimizer)
-        if cast in self.labels:
-            return Plan.uniform(cast, warmup_steps=0), f"{cast} everywhere"
+        """Where a plan backs off to: the 16-bit cast that raced, else the optimizer's among the
+        candidates, else bf16 (fp16's fault late in training is its range, which bf16 has), else FSDP's
+        own fp32 reduce-scatter; never a config the plan has backed off from."""
+        options = [(a.plan, a.description) for a in self._arms.values() if a.kind == SIXTEEN_BIT]
+        options += [(Plan.uniform(cast, warmup_steps=0), f"{cast} everywhere")
+                    for cast in dict.fromkeys((preferred_sixteen_bit(self.optimizer), "bf16")) if cast in self.labels]
+        for plan, description in options:
+            if not {c.label for c in plan.configs() if c.name != "none"} & self._left:
+                return plan, description
         return Plan.uniform("none", warmup_steps=0), "FSDP's own fp32 reduce-scatter"
 
     def _judge(self):
@@ -332,12 +401,14 @@ def wrap_sharded(model: torch.nn.Module, optimizer=None, **kwargs) -> ShardedOnl
             ``max_trial_rounds``, ``top``, and for the accuracy gate ``loss_fn``, ``batches``,
             ``build``, ``evaluate``, ``held_out``, ``metric``, ``expected_steps``,
             ``trial_share``, ``trial_s``, ``tolerance``, ``retrial_share`` (the share of the
-            training time re-trials of a compressed plan may take; None: none), and ``plan``
+            training time re-trials of a compressed plan may take; None: none), for the fidelity
+            monitor ``fidelity_sample`` (0 turns it off), ``fidelity_window``, ``fidelity_drift``, and ``plan``
             (a plan of your own: installed at once instead of the race, then re-trialled).
 
     Returns:
         The :class:`ShardedOnlineTuner`: ``tuner.events``, ``tuner.plan`` (in use once
-        ``tuner.phase == "decided"``), ``tuner.measured``, ``tuner.decision``, ``tuner.retrials``.
+        ``tuner.phase == "decided"``), ``tuner.measured``, ``tuner.decision``, ``tuner.retrials``,
+        ``tuner.fidelity``.
 
     Raises:
         TypeError: FSDP1, or a model without ``fully_shard``.

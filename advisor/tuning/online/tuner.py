@@ -93,6 +93,7 @@ from advisor.tuning.online.watch import (
     MAX_PROOF_ATTEMPTS,
     PendingProof,
     Watch,
+    check_fidelity_settings,
     check_retrial_share,
     first_retrial_in,
     is_lossy,
@@ -569,10 +570,7 @@ def _check_arguments(ddp, optimizer, observe_steps, trial_steps, top, trials, wa
         raise ValueError(f"trial_s={trial_s!r}; allowed: > 0 seconds, or None")
     check_evaluate(evaluate)
     check_trial_budget(expected_steps, trial_share, tolerance)
-    check_int("fidelity_sample", fidelity_sample, 0)
-    check_int("fidelity_window", fidelity_window, 2)
-    if not (isinstance(fidelity_drift, (int, float)) and fidelity_drift > 1):
-        raise ValueError(f"fidelity_drift={fidelity_drift!r}; allowed: > 1 (times the plan's first window error)")
+    check_fidelity_settings(fidelity_sample, fidelity_window, fidelity_drift)
     check_retrial_share(retrial_share)
 
 

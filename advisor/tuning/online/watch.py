@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from advisor.compressors import SegmentLayout, parse
 from advisor.compressors.registry import CompressorConfig
 from advisor.core.collectives import every_rank, fastest, mean_over_ranks, slowest, world_size
+from advisor.core.documents import check_int
 from advisor.runtime import CompressionHook, Plan
 from advisor.runtime.monitor import FidelityMonitor, FidelityReading
 from advisor.runtime.simulate import SimulatedRanks
@@ -114,6 +115,14 @@ class RetrialClock:
         return cost_s
 
 
+def check_fidelity_settings(sample, window, drift) -> None:
+    """Refuse a bad fidelity monitor setting, naming it and the allowed values."""
+    check_int("fidelity_sample", sample, 0)
+    check_int("fidelity_window", window, 2)
+    if not (isinstance(drift, (int, float)) and drift > 1):
+        raise ValueError(f"fidelity_drift={drift!r}; allowed: > 1 (times the plan's first window error)")
+
+
 def harm_shown(arm, report) -> float | None:
     """The 95% lower bound of a re-trialled plan's gap behind fp32 where it lies beyond the tolerance, else None."""
     if arm.gap is None:
@@ -127,6 +136,33 @@ def harm_shown(arm, report) -> float | None:
 def is_lossy(plan: Plan) -> bool:
     """Whether the plan uses a config beyond the baselines: the loss watch follows those."""
     return any(c.label not in BASELINES for c in plan.configs())
+
+
+class FidelityDrift:
+    """When a plan's delivered gradient has drifted: its first window (a
+    :class:`~advisor.runtime.monitor.FidelityReading`) is its reference, and two windows in a row
+    whose error exceeds ``drift`` times the reference (and :data:`FIDELITY_FLOOR`), with some
+    config beyond that bound, have drifted.  One per plan: a new plan needs a new reference."""
+
+    def __init__(self, drift: float) -> None:
+        self.drift = drift
+        self.reference: FidelityReading | None = None
+        self._strikes = 0
+
+    def see(self, reading: FidelityReading) -> tuple[str, dict[str, float]]:
+        """(what to note, "" for nothing; the drifted configs' errors, empty until two windows in a row drifted)."""
+        reference = self.reference
+        if reference is None:
+            self.reference, self._strikes = reading, 0
+            return "reference " + reading.describe(), {}
+        bound = max(self.drift * reference.error, FIDELITY_FLOOR)
+        drifted = {label: e for label, e in reading.by_config.items() if e > bound}
+        self._strikes = self._strikes + 1 if reading.error > bound and drifted else 0
+        if self._strikes < 2:
+            return "", {}
+        return (f"{reading.describe()}: above {bound:.2%} ({self.drift:g}x the reference {reference.error:.2%}, "
+                f"at least {FIDELITY_FLOOR:.0%}) two windows in a row; drifted: "
+                + ", ".join(f"{label} {e:.2%}" for label, e in drifted.items())), drifted
 
 
 class Watch:
@@ -177,8 +213,7 @@ class Watch:
         self.monitor, self.drift = monitor, drift
         #: every window the fidelity monitor read, in order
         self.readings: list[FidelityReading] = []
-        self._fidelity_reference: FidelityReading | None = None
-        self._fidelity_strikes = 0
+        self._drift = FidelityDrift(drift)
         #: configs each parameter has backed off from (never chosen again for it)
         self._left: dict[str, set[str]] = {}
         self.retrial, self.retrial_share = retrial, retrial_share
@@ -247,22 +282,13 @@ class Watch:
     def _check_fidelity(self, reading: FidelityReading) -> None:
         """The plan's first window is its reference; two drifted windows in a row back off."""
         self.readings.append(reading)
-        reference = self._fidelity_reference
-        if reference is None:
-            self._fidelity_reference, self._fidelity_strikes = reading, 0
-            self.note("fidelity", "reference " + reading.describe())
-            return
-        bound = max(self.drift * reference.error, FIDELITY_FLOOR)
-        drifted = {label: e for label, e in reading.by_config.items() if e > bound}
-        self._fidelity_strikes = self._fidelity_strikes + 1 if reading.error > bound and drifted else 0
-        if self._fidelity_strikes < 2:
-            return
-        self.note("fidelity", f"{reading.describe()}: above {bound:.2%} ({self.drift:g}x the reference "
-                              f"{reference.error:.2%}, at least {FIDELITY_FLOOR:.0%}) two windows in a row; drifted: "
-                              + ", ".join(f"{label} {e:.2%}" for label, e in drifted.items()))
-        params = [n for n, _ in self.ddp.module.named_parameters()]
-        moves = {n: (0.0, 1.0) for n in params if self.plan.config_for(n).label in drifted}
-        self._back_off(moves, why="its delivered gradient drifted from the exact mean")
+        said, drifted = self._drift.see(reading)
+        if said:
+            self.note("fidelity", said)
+        if drifted:
+            params = [n for n, _ in self.ddp.module.named_parameters()]
+            moves = {n: (0.0, 1.0) for n in params if self.plan.config_for(n).label in drifted}
+            self._back_off(moves, why="its delivered gradient drifted from the exact mean")
 
     # --- the paired re-trial ------------------------------------------------------------------
     def _maybe_retrial(self, step: int) -> None:
@@ -429,7 +455,7 @@ class Watch:
         """Change the plan; its gains and fidelity are measured anew under it."""
         self.hook.set_plan(plan, reason=reason, verify=False)
         self._reference_gain.clear()  # measured again under the new plan on the next watch
-        self._fidelity_reference, self._fidelity_strikes = None, 0
+        self._drift = FidelityDrift(self._drift.drift)
 
     def _less_compression(self, current: CompressorConfig, layout: SegmentLayout,
                           left: set[str] = frozenset()) -> CompressorConfig:
