@@ -50,7 +50,7 @@ def _rank(rank: int, world_size: int, steps: int, rounds: int, sample: int):
                 workload.shard(ddp)
                 groups = install_sharded(ddp, plan)
                 if kind == "monitored":
-                    monitors[kind] = ShardedFidelityMonitor(ddp, groups, sample=sample)
+                    monitors[kind] = ShardedFidelityMonitor(groups, sample=sample)
             else:
                 ddp = DDP(workload.model)
                 hook = install(ddp, plan)

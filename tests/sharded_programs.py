@@ -488,7 +488,7 @@ def monitored_sharded(rank: int, world_size: int, window: int, windows: int):
     plan = Plan.from_assignments({n: configs[n[:8]] for n, _ in model.named_parameters() if n[:8] in configs},
                                  warmup_steps=0)
     groups = rs.install_sharded(model, plan)
-    monitor = ShardedFidelityMonitor(model, groups, sample=4096, window=window)
+    monitor = ShardedFidelityMonitor(groups, sample=4096, window=window)
     recorder = _WindowRecorder()
     watched = [g.comm for g in groups if g.comm is not None]
     for comm in watched:

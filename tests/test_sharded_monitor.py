@@ -27,8 +27,9 @@ def test_a_sample_of_positions_reads_the_error_of_every_groups_whole_buffer(runs
         assert reading["error"] == pytest.approx(reading["whole"], rel=0.2)
         assert reading["whole"] > 0.05  # PowerSGD rank 2 is far from exact: the check has something to see
         # each compressed group read on its own; the root's group, under FSDP's own path, is exact and not sampled
-        assert set(reading["by_config"]) == {"intquant(bits=8)", "powersgd(rank=2)", "fp16"}
-        assert reading["by_config"]["fp16"] < 1e-2 < reading["by_config"]["powersgd(rank=2)"]
+        by_name = {label.split("(")[0]: error for label, error in reading["by_config"].items()}
+        assert set(by_name) == {"intquant", "powersgd", "fp16"}
+        assert by_name["fp16"] < 1e-2 < by_name["powersgd"]
 
 
 def test_the_monitor_detaches_from_every_comm_when_closed(runs):
@@ -43,6 +44,9 @@ def test_wrap_sharded_backs_fp16_off_to_bf16_late_on_every_rank_and_then_reaches
     backoffs = [(step, detail) for step, what, detail in watched["events"] if what == "back-off"]
     assert len(backoffs) == 1 and "-> bf16 everywhere" in backoffs[0][1], watched["events"]
     assert backoffs[0][0] > 100 and watched["final"] == "bf16"
+    # bf16 is watched in turn, though the held-out passes leave the root's parameters unsharded
+    assert not [d for _, w, d in watched["events"] if "not monitored" in d]
+    assert max(first for first, *_ in watched["readings"]) >= backoffs[0][0]
     drift = next(d for s, w, d in watched["events"] if w == "fidelity" and s == backoffs[0][0])
     assert "two windows in a row" in drift and "flushed to zero" in drift
     assert watched["curve"][-1] < 3 * fp32["curve"][-1]

@@ -196,7 +196,7 @@ def group_layout(module, prefix: str = "") -> list[ShardSegment]:
     (``chunk_cat`` of each gradient's dim-0 chunks, see ``foreach_reduce``), named as in the
     model (``prefix``: the module's name in it)."""
     state = module._get_fsdp_state()
-    names = {id(p): f"{prefix}.{n}" if prefix else n for n, p in module.named_parameters()}
+    holders = {id(m): n for n, m in module.named_modules()}
     segments, offset = [], 0
     for g in state._fsdp_param_groups:
         for fp in g.fsdp_params:
@@ -206,7 +206,7 @@ def group_layout(module, prefix: str = "") -> list[ShardSegment]:
             rows = fp._orig_size[0] if len(fp._orig_size) else 1
             # PowerSGD pays where (rows + width) x rank < rows x width, checked per rank by the comm
             matrix = len(fp._orig_size) >= 2 and (dim0 is None or dim0.dim == 0)
-            name = names.get(id(fp.sharded_param), f"{prefix}[{len(segments)}]")
+            name = _param_name(fp, holders, prefix) or f"{prefix}[{len(segments)}]"
             segments.append(ShardSegment(name, offset, chunk, width, rows, matrix))
             offset += chunk * width
     return segments
@@ -383,12 +383,14 @@ def load_compression_state_dict(model: torch.nn.Module, state: Mapping[str, Any]
 
 @dataclass
 class ShardedGroup:
-    """One ``fully_shard`` group: its module's name, its parameters' names and the config it runs."""
+    """One ``fully_shard`` group: its module's name, its parameters' names, the config it runs, the
+    reduce-scatter that runs it (None: FSDP's own) and the FSDP module itself."""
 
     module: str
     parameters: tuple[str, ...]
     config: CompressorConfig
     comm: Any = None
+    fsdp_module: Any = None
 
 
 def sharded_config_allowed(config: CompressorConfig) -> bool:
@@ -428,7 +430,7 @@ def sharded_groups(model: torch.nn.Module) -> list[tuple[str, Any, tuple[str, ..
     if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
         raise TypeError("the model uses FSDP1 (FullyShardedDataParallel), which has no reduce-scatter hook; "
                         "shard it with torch.distributed.fsdp.fully_shard (FSDP2) instead")
-    names = {id(p): n for n, p in model.named_parameters()}
+    holders = {id(m): n for n, m in model.named_modules()}
     found = []
     for prefix, module in model.named_modules():
         if not isinstance(module, fsdp_module):
@@ -439,14 +441,25 @@ def sharded_groups(model: torch.nn.Module) -> list[tuple[str, Any, tuple[str, ..
             raise ValueError(f"fully_shard module {prefix or '(root)'!r} has {len(groups)} parameter groups "
                              "(per-parameter meshes from shard_placement_fn); a custom reduce-scatter needs one "
                              "group a module: shard those parameters with fully_shard calls of their own")
-        params = tuple(names[id(fp.sharded_param)] for g in groups for fp in g.fsdp_params
-                       if id(fp.sharded_param) in names)
+        params = tuple(name for name in (_param_name(fp, holders) for g in groups for fp in g.fsdp_params) if name)
         if params:
             found.append((prefix, module, params))
     if not found:
         raise ValueError("no fully_shard module in the model: shard it with torch.distributed.fsdp.fully_shard "
                          "first (each block, then the root)")
     return found
+
+
+def _param_name(fsdp_param, holders: Mapping[int, str], prefix: str = "") -> str | None:
+    """An FSDP parameter's name as ``named_parameters`` gives it (under ``prefix``), found through
+    the module that holds it (``holders``: id -> name): the parameter object itself is another one
+    while it is unsharded (the root's stays so after a forward without backward)."""
+    info = fsdp_param._module_info
+    holder = holders.get(id(info.module))
+    if holder is None:
+        return None
+    name = f"{holder}.{info.param_name}" if holder else info.param_name
+    return f"{prefix}.{name}" if prefix else name
 
 
 def group_numel(module) -> int:
@@ -488,7 +501,7 @@ def _group_plan(plan: Plan, found) -> list[ShardedGroup]:
                         group_layout(module, prefix) if config.name == "powersgd" else None)
         if comm is None and exact:
             comm = ExactReduceScatter(torch.float32, prefix or "(root)")
-        groups.append(ShardedGroup(prefix, params, config, comm))
+        groups.append(ShardedGroup(prefix, params, config, comm, module))
     return groups
 
 

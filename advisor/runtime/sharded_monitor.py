@@ -28,7 +28,7 @@ from advisor.runtime.monitor import (
     draw_sample,
     read_window,
 )
-from advisor.runtime.sharded import ShardedGroup, row_width, sharded_groups
+from advisor.runtime.sharded import ShardedGroup, row_width
 
 
 class ShardedFidelityMonitor:
@@ -36,7 +36,7 @@ class ShardedFidelityMonitor:
     same calls at the same steps.
 
     ``groups`` are what :func:`advisor.runtime.sharded.install_sharded` (or
-    :meth:`~advisor.runtime.sharded.ShardedSwitch.set`) returned for ``model``: the monitor
+    :meth:`~advisor.runtime.sharded.ShardedSwitch.set`) returned: the monitor
     watches their comms, so a new plan needs a new monitor.  Groups under ``none`` (FSDP's own
     reduce-scatter, or the exact all-to-all) are exact and not sampled.  ``start()`` attaches it;
     ``step_ends()``, called between steps on every rank, returns a :class:`FidelityReading` at the
@@ -46,12 +46,12 @@ class ShardedFidelityMonitor:
     accumulation without sync, evaluation) does not count.
     """
 
-    def __init__(self, model: torch.nn.Module, groups: Sequence[ShardedGroup], *, sample: int = DEFAULT_SAMPLE,
+    def __init__(self, groups: Sequence[ShardedGroup], *, sample: int = DEFAULT_SAMPLE,
                  window: int = DEFAULT_WINDOW, per_coordinate: bool = False, seed: int = 0, at_step: int = 0,
                  group=None) -> None:
         check_int("sample", sample, 1)  # positions sampled per window
         check_int("window", window, 2)  # steps per reading
-        self.model, self.groups = model, list(groups)
+        self.groups = list(groups)
         self.sample, self.window, self.per_coordinate, self.seed, self.group = sample, window, per_coordinate, seed, group
         self._watched: list[tuple[ShardedGroup, int]] = []  # (group, its row width)
         self._where: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # id(comm) -> slots, rows, cols
@@ -75,11 +75,12 @@ class ShardedFidelityMonitor:
     def start(self) -> None:
         if self._attached:
             return
-        found = {prefix: module for prefix, module, _ in sharded_groups(self.model)}
-        self._watched = [(g, row_width(found[g.module])) for g in self.groups
+        # the modules as the plan was set on them: their parameters may be unsharded between steps
+        # (the root's, after a forward without backward), where the model's names would not find them
+        self._watched = [(g, row_width(g.fsdp_module)) for g in self.groups
                          if g.comm is not None and g.config.name != "none"]
         if self._watched:
-            mesh = found[self._watched[0][0].module]._get_fsdp_state()._fsdp_param_groups[0].mesh_info
+            mesh = self._watched[0][0].fsdp_module._get_fsdp_state()._fsdp_param_groups[0].mesh_info
             self._world, self._me = mesh.shard_mesh_size, mesh.shard_mesh_rank
             if self._world != world_size(self.group):
                 # under HSDP a group's reduce-scatter spans one replica's ranks only

@@ -197,7 +197,7 @@ class ShardedOnlineTuner:
         groups = self.switch.set(plan)
         if not self._fidelity_settings["sample"]:
             return
-        monitor = ShardedFidelityMonitor(self.model, groups, **self._fidelity_settings, seed=plan.seed,
+        monitor = ShardedFidelityMonitor(groups, **self._fidelity_settings, seed=plan.seed,
                                          at_step=self.step, group=self.group)
         try:
             monitor.start()
