@@ -452,18 +452,9 @@ def monitored_after_warmup(rank: int, world_size: int):
     return readings
 
 
-def proving_online_loop(rank: int, world_size: int, steps: int, kwargs: dict):
-    """A noisy wide linear regression under wrap with the accuracy gate: learning is steady and two
-    fp32 runs in different batch orders stay close, so a long enough trial is powered.
-
-    Every batch is drawn from the same distribution; the gate gets this rank's stream of them
-    and held-out batches of its own.
-    """
-    torch.manual_seed(0)
-    teacher, student = nn.Linear(512, 256), nn.Linear(512, 256)
-    ddp = DDP(student)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.02, momentum=0.9)
-
+def noisy_regression(teacher: nn.Module, rank: int):
+    """The proving loops' data: ``batch(g)`` of the ``teacher`` regression (512 -> 256) with noise,
+    ``loss_fn`` (MSE), this rank's endless stream of batches, and 4 held-out batches."""
     def batch(g):
         x = torch.randn(32, 512, generator=g)
         with torch.no_grad():
@@ -477,8 +468,22 @@ def proving_online_loop(rank: int, world_size: int, steps: int, kwargs: dict):
         while True:
             yield batch(g)
 
-    held = [batch(torch.Generator().manual_seed(1000 + i)) for i in range(4)]
-    tuner = advisor.wrap(ddp, opt, loss_fn=loss_fn, batches=stream(), held_out=held, **kwargs)
+    return batch, loss_fn, stream(), [batch(torch.Generator().manual_seed(1000 + i)) for i in range(4)]
+
+
+def proving_online_loop(rank: int, world_size: int, steps: int, kwargs: dict):
+    """A noisy wide linear regression under wrap with the accuracy gate: learning is steady and two
+    fp32 runs in different batch orders stay close, so a long enough trial is powered.
+
+    Every batch is drawn from the same distribution; the gate gets this rank's stream of them
+    and held-out batches of its own.
+    """
+    torch.manual_seed(0)
+    teacher, student = nn.Linear(512, 256), nn.Linear(512, 256)
+    ddp = DDP(student)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.02, momentum=0.9)
+    batch, loss_fn, stream, held = noisy_regression(teacher, rank)
+    tuner = advisor.wrap(ddp, opt, loss_fn=loss_fn, batches=stream, held_out=held, **kwargs)
     g = torch.Generator().manual_seed(rank)
     for _ in range(steps):
         opt.zero_grad()

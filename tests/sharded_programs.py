@@ -404,28 +404,15 @@ def sharded_proving_loop(rank: int, world_size: int, steps: int, kwargs: dict):
     """
     import dataclasses
 
+    from autotune_programs import noisy_regression
+
     import advisor
 
     model = _regression_sharded()
     opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
     torch.manual_seed(1)
-    teacher = nn.Linear(512, 256)
-
-    def batch(g):
-        x = torch.randn(32, 512, generator=g)
-        with torch.no_grad():
-            return x, teacher(x) + 0.5 * torch.randn(32, 256, generator=g)
-
-    def loss_fn(m, b):
-        return nn.functional.mse_loss(m(b[0]), b[1])
-
-    def stream():
-        g = torch.Generator().manual_seed(100 + rank)
-        while True:
-            yield batch(g)
-
-    held = [batch(torch.Generator().manual_seed(1000 + i)) for i in range(4)]
-    tuner = advisor.wrap_sharded(model, opt, loss_fn=loss_fn, batches=stream(), held_out=held,
+    batch, loss_fn, stream, held = noisy_regression(nn.Linear(512, 256), rank)
+    tuner = advisor.wrap_sharded(model, opt, loss_fn=loss_fn, batches=stream, held_out=held,
                                  build=_regression_sharded, **kwargs)
     g = torch.Generator().manual_seed(rank)
     for _ in range(steps):
