@@ -185,7 +185,7 @@ class FidelityMonitor:
 
     # --- the window's reading ----------------------------------------------------------------------
     def _read(self) -> FidelityReading:
-        local = self._local.clone()
+        local = self._local
         if world_size(self.group) > 1:
             local = all_reduced(local, self.group)
         return read_window(local / world_size(self.group), self._delivered, self._labels, self.per_coordinate,
@@ -209,10 +209,11 @@ def draw_sample(sizes: Sequence[int], sample: int, seed: int) -> tuple[int, list
 
 
 def all_reduced(values: torch.Tensor, group) -> torch.Tensor:
-    """The sum of ``values`` over the ranks of ``group``, on CPU (moved to the GPU and back under NCCL)."""
+    """The sum of ``values`` over the ranks of ``group``, on CPU, in a new tensor (``values`` is left as it
+    was; moved to the GPU and back under NCCL)."""
     backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    moved = values.to(device)
+    moved = values.to(device, copy=True)
     dist.all_reduce(moved, group=group)
     return moved.cpu()
 

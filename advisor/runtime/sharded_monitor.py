@@ -109,9 +109,10 @@ class ShardedFidelityMonitor:
         self._row += 1
         if self._row < self.window:
             return None
-        local = all_reduced(torch.stack([self._local, self._delivered]), self.group) if world_size(
-            self.group) > 1 else torch.stack([self._local, self._delivered])
-        reading = read_window(local[0], local[1], self._labels, self.per_coordinate, self._first_step)
+        both = torch.stack([self._local, self._delivered])
+        if world_size(self.group) > 1:
+            both = all_reduced(both, self.group)
+        reading = read_window(both[0], both[1], self._labels, self.per_coordinate, self._first_step)
         self._new_window()
         return reading
 
