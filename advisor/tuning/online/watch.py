@@ -455,7 +455,7 @@ class Watch:
         """Change the plan; its gains and fidelity are measured anew under it."""
         self.hook.set_plan(plan, reason=reason, verify=False)
         self._reference_gain.clear()  # measured again under the new plan on the next watch
-        self._drift = FidelityDrift(self._drift.drift)
+        self._drift = FidelityDrift(self.drift)
 
     def _less_compression(self, current: CompressorConfig, layout: SegmentLayout,
                           left: set[str] = frozenset()) -> CompressorConfig:
