@@ -520,5 +520,8 @@ LONG_ENOUGH = {**PROVING, "expected_steps": 40000, "retrial_share": None}
 SHARDED_LONG_ENOUGH = {"observe_steps": 3, "trial_steps": 2, "trial_rounds": 2, "max_trial_rounds": 3, "top": 1,
                        "repeats": 1, "candidates": ["none", "intquant(bits=8)"], "expected_steps": 40000,
                        "retrial_share": None}
+#: ... and for a 4,000-step run, too short at first, as the DDP one
+SHARDED_TOO_SHORT = {**SHARDED_LONG_ENOUGH, "expected_steps": 4000, "retrial_share": 1.0}
 PROVING_RUNS = {"too short": ("ddp", 340, TOO_SHORT), "long enough": ("ddp", 110, LONG_ENOUGH),
-                "sharded, long enough": ("sharded", 110, SHARDED_LONG_ENOUGH)}
+                "sharded, long enough": ("sharded", 110, SHARDED_LONG_ENOUGH),
+                "sharded, too short": ("sharded", 340, SHARDED_TOO_SHORT)}

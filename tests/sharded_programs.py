@@ -341,6 +341,44 @@ def wrap_sharded_loop(rank: int, world_size: int, steps: int, kwargs: dict, gate
             "full": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}}
 
 
+def _comm_kinds(model) -> list[str]:
+    """The kinds of reduce-scatter comm the model's groups run."""
+    from advisor.runtime.sharded import sharded_groups
+
+    return sorted({type(m._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm).__name__
+                   for _, m, _ in sharded_groups(model)})
+
+
+def loss_watched_sharded(rank: int, world_size: int, runs: list[tuple[str, str, int, dict]]):
+    """For each ``(curve, config, steps, kwargs)``: wrap_sharded given ``config`` after the fp32 steps that
+    set the loss trend, the loop reporting its real loss (``curve="real"``) or a constructed one, so
+    the detector is also tested on a known answer: ``"trend"`` follows 2 - 0.3·ln(step + 1) with
+    noise throughout; ``"stall"`` follows it during the fp32 steps, then stays where it was.
+    Its events and the plan it ends with, per run."""
+    import math
+
+    import advisor
+    from advisor.runtime import Plan
+
+    out = []
+    for curve, config, steps, kwargs in runs:
+        model = _wide_sharded()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        batches = _teacher_batches(rank, 64)
+        tuner = advisor.wrap_sharded(model, opt, plan=Plan.uniform(config, warmup_steps=0), **kwargs)
+        for i in range(steps):
+            opt.zero_grad()
+            loss = _cross_entropy(model, batches[(2 * i + rank) % len(batches)])
+            loss.backward()
+            opt.step()
+            flat = kwargs["trend_steps"] if curve == "stall" and i >= kwargs["trend_steps"] else i + 1
+            tuner.record_loss(loss if curve == "real" else 2.0 - 0.3 * math.log(flat) + 0.02 * math.sin(7.0 * i + rank))
+        tuner.close()
+        out.append({"events": [(e.step, e.what, e.detail) for e in tuner.events], "plan": tuner.plan.to_dict(),
+                    "losses": len(tuner.losses)})
+    return out
+
+
 def powersgd_runs(rank: int, world_size: int, directory: str):
     """Every PowerSGD program the tests read, in one launch."""
     return {"one sample": powersgd_sharded(rank, world_size, 1, 6),
@@ -353,7 +391,6 @@ def retrialled_sharded(rank: int, world_size: int, labels: list[str], steps: int
     gate's budget 6% of a 2,000-step run): its events, re-trials, the plan it ends with and the comms."""
     import advisor
     from advisor.runtime import Plan
-    from advisor.runtime.sharded import sharded_groups
 
     out = {}
     for label in labels:
@@ -371,8 +408,7 @@ def retrialled_sharded(rank: int, world_size: int, labels: list[str], steps: int
         out[label] = {"events": [(e.step, e.what, e.detail) for e in tuner.events],
                       "retrials": [(step, arm.gap, arm.status) for step, _, arm in tuner.retrials],
                       "plan": tuner.plan.to_dict(),
-                      "comms": sorted({type(m._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm).__name__
-                                       for _, m, _ in sharded_groups(model)})}
+                      "comms": _comm_kinds(model)}
     return out
 
 
@@ -422,6 +458,7 @@ def sharded_proving_loop(rank: int, world_size: int, steps: int, kwargs: dict):
     tuner.close()
     decision = tuner.decision
     return {"events": [(e.step, e.what, e.detail) for e in tuner.events], "phase": tuner.phase,
+            "comms": _comm_kinds(model),
             "plan": tuner.plan.to_dict(), "retimed": [dataclasses.asdict(r) for r in tuner.retimed],
             "tta": None if decision is None or decision.tta is None else decision.tta.value,
             "step_speedup": None if decision is None else decision.step_speedup().value,

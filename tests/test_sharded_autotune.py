@@ -180,3 +180,67 @@ def test_wrap_sharded_times_a_proven_plan_again_beside_the_baseline_and_builds_i
         assert a["tta"] is not None and a["tta"] <= retimed["speedup"] + 1e-9
     for n, value in a["full"].items():
         torch.testing.assert_close(value, b["full"][n], rtol=0, atol=0)
+
+
+def test_wrap_sharded_goes_on_proving_online_a_plan_its_first_trial_was_too_short_for_and_installs_it_once_proven(
+        proving_runs):
+    a, b = proving_runs["sharded, too short"]
+    assert [e[:2] for e in a["events"]] == [e[:2] for e in b["events"]] and a["plan"] == b["plan"]
+    events = a["events"]
+    decided = next(d for _, w, d in events if w == "decided")
+    assert "intquant(bits=8, packed=1) everywhere: not proven" in decided, decided
+    unproven = next(d for _, w, d in events if w == "unproven")
+    assert "won the race" in unproven and "the trial goes on online" in unproven, unproven
+    at = int(unproven.split("from the weights at step ")[1].split(",")[0])
+    proofs = [(step, d) for step, w, d in events if w == "proof"]
+    assert proofs and proofs[0][0] == at, events
+    # 8-bit quantisation of a steadily learning regression: the longer trial proves it ...
+    assert "within the tolerance" in proofs[0][1] and "timed again beside" in proofs[0][1], proofs
+    # ... then it races the baseline alone on the loop's next steps, and is installed on that figure
+    whats = [w for _, w, _ in events]
+    assert whats.index("decided") < whats.index("re-timing") < whats.index("re-timed"), events
+    (retimed,) = a["retimed"]
+    assert retimed["label"].startswith("intquant(bits=8")
+    last = proofs[-1][1]
+    assert len(proofs) == 2 and proofs[1][0] > proofs[0][0] and "re-timed step speed-up" in last, proofs
+    assert f"{retimed['speedup']:.2f}x" in last and "proven online, installed" in last, last
+    assert Plan.from_dict(a["plan"]).config_for("linear.weight").name == "intquant"
+    assert a["comms"] == ["IntReduceScatter"] and a["phase"] == "decided"
+    assert a["step_speedup"] == pytest.approx(retimed["speedup"]) and a["tta"] <= retimed["speedup"] + 1e-9
+    for n, value in a["full"].items():
+        torch.testing.assert_close(value, b["full"][n], rtol=0, atol=0)
+
+
+def test_wrap_sharded_loss_watch_backs_off_a_stalled_loss_on_every_rank_and_not_one_that_follows_its_trend():
+    watch = {"trend_steps": 30, "watch_every": 10, "fidelity_sample": 0}
+    runs = [("trend", "intquant(bits=8)", 90, watch), ("stall", "intquant(bits=8)", 90, watch),
+            ("real", "intquant(bits=8)", 90, watch)]
+    out = launch_local(sp.loss_watched_sharded, 2, (runs,), timeout=300)
+    for a, b in zip(*out):
+        assert [e[:2] for e in a["events"]] == [e[:2] for e in b["events"]] and a["plan"] == b["plan"]
+        assert a["losses"] == 90
+        given = [(step, d) for step, w, d in a["events"] if w == "given"]
+        assert [step for step, _ in given] == [0, 30] and "after 30 steps" in given[0][1]  # the trend's fp32 steps
+    following, stalled, real = out[0]
+    # a loss that goes on along the fp32 steps' trend, and real training under 8-bit quantisation: no alarm
+    for run in (following, real):
+        assert "loss-watch" not in [w for _, w, _ in run["events"]], run["events"]
+        assert run["plan"]["default"]["name"] == "intquant"
+    # a loss that stops falling once the plan is in: two windows above the trend, then a back-off
+    said = {w: (step, d) for step, w, d in stalled["events"]}
+    assert said["loss-watch"][1].startswith("training loss") and "two windows in a row" in said["loss-watch"][1]
+    assert said["back-off"][0] == said["loss-watch"][0] == 50, stalled["events"]
+    assert "-> fp16 everywhere" in said["back-off"][1] and "the loss fell behind its trend" in said["back-off"][1]
+    assert Plan.from_dict(stalled["plan"]).default.label == "fp16"  # SGD's cast
+
+
+def test_wrap_sharded_refuses_bad_loss_watch_settings_naming_them():
+    import torch.nn as nn
+
+    import advisor
+
+    for kwargs, said in (({"watch_every": 0}, "watch_every"), ({"loss_z": 0}, "loss_z=0"),
+                         ({"trend_steps": -1, "plan": "bf16"}, "trend_steps"),
+                         ({"trend_steps": 10}, "trend_steps=10 runs fp32 steps before a given plan; pass plan=")):
+        with pytest.raises(ValueError, match=said):
+            advisor.wrap_sharded(nn.Linear(2, 2), None, **kwargs)

@@ -26,14 +26,26 @@ Driven from the model's forward calls, which every rank makes at the same step:
    pays for (:class:`~advisor.tuning.online.watch.RetrialClock`, as :func:`advisor.wrap`
    schedules its own); one that has fallen behind fp32 beyond the tolerance backs off on every
    rank to the 16-bit cast that raced (else the optimizer's cast among the candidates, else
-   FSDP's own reduce-scatter), and an event says so with the numbers.
+   FSDP's own reduce-scatter), and an event says so with the numbers.  Where the first trial
+   could not prove the plan that won the race (too short to be powered), those slots prove it
+   instead, as :func:`advisor.wrap` does (:func:`~advisor.tuning.online.watch.settle_proof`):
+   fp32 twice and that plan from the current weights, as long as the last trial said it needs
+   (doubled at each try, three at most); proven within the tolerance, it races the baseline
+   alone as in 4 and is installed where that re-timed step speed-up times its step efficiency
+   beats the baseline at the 95% bound.
 6. **monitor** a plan that compresses any group, as :func:`advisor.wrap` does: each step a
    sample of positions in the compressed groups' reduce-scatter buffers
    (:class:`advisor.runtime.sharded_monitor.ShardedFidelityMonitor`, ``fidelity_sample``
    positions), read against the exact sum every ``fidelity_window`` steps; the plan's first
    window is its reference, and two windows in a row beyond ``fidelity_drift`` times it back the
    plan off on every rank, as a re-trial that shows harm does (fp16 to bf16, where fp16's range
-   is what gave out).  Unlike :func:`advisor.wrap`, no loss watch follows the plan.
+   is what gave out).
+7. **loss watch**, where the loop reports its loss (``tuner.record_loss(loss)``): every
+   ``watch_every`` steps under a compressed plan, the window's mean loss (over ranks) against
+   the trend of the uncompressed steps' losses (observe, the baselines' race turns, or
+   ``trend_steps`` fp32 steps before a given plan;
+   :class:`~advisor.tuning.online.watch.LossWatch`, :func:`advisor.wrap`'s own); two windows in
+   a row above it by more than ``loss_z`` standard errors back the plan off as in 5.
 
 Without ``loss_fn``, ``batches`` and ``build`` there is no accuracy evidence: only the baselines
 race (the compressed plans are left out, and an event says so).  With them, the plan that wins
@@ -43,6 +55,8 @@ on speed must pass the paired accuracy trial on shadows from ``build()``
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -60,13 +74,19 @@ from advisor.tuning.accuracy import AccuracyTrial, check_evaluate
 from advisor.tuning.online.trial import OnlineRetimes, Race, RetimeNeeded
 from advisor.tuning.online.tuner import TunerEvent
 from advisor.tuning.online.watch import (
+    AGAIN,
+    RETIME,
     FidelityDrift,
+    LossWatch,
+    PendingProof,
     RetrialClock,
     check_fidelity_settings,
     check_retrial_share,
     first_retrial_in,
     harm_shown,
     is_lossy,
+    judge_retimed_proof,
+    settle_proof,
 )
 from advisor.tuning.sharded import (
     NATIVE,
@@ -113,14 +133,21 @@ class ShardedOnlineTuner:
                  metric: str = "loss", expected_steps: int | None = None, trial_share: float = DEFAULT_TRIAL_SHARE,
                  trial_s: float | None = None, tolerance: float = gate.DEFAULT_TOLERANCE,
                  retrial_share: float | None = 0.03, fidelity_sample: int = DEFAULT_SAMPLE,
-                 fidelity_window: int = DEFAULT_WINDOW, fidelity_drift: float = 3.0,
-                 plan: Plan | Mapping[str, Any] | str | None = None, group=None) -> None:
+                 fidelity_window: int = DEFAULT_WINDOW, fidelity_drift: float = 3.0, watch_every: int = 50,
+                 loss_z: float = 3.0, trend_steps: int = 0, plan: Plan | Mapping[str, Any] | str | None = None,
+                 group=None) -> None:
         self.labels = check_sharded_configs(candidates)
         check_retrial_share(retrial_share)
         check_fidelity_settings(fidelity_sample, fidelity_window, fidelity_drift)
         for name, value, minimum in (("observe_steps", observe_steps, 2), ("trial_steps", trial_steps, 1),
-                                     ("trial_rounds", trial_rounds, 2), ("top", top, 1), ("repeats", repeats, 1)):
+                                     ("trial_rounds", trial_rounds, 2), ("top", top, 1), ("repeats", repeats, 1),
+                                     ("watch_every", watch_every, 1), ("trend_steps", trend_steps, 0)):
             check_int(name, value, minimum)
+        if not (isinstance(loss_z, (int, float)) and loss_z > 0):
+            raise ValueError(f"loss_z={loss_z!r}; allowed: > 0 standard errors")
+        if trend_steps and plan is None:
+            raise ValueError(f"trend_steps={trend_steps} runs fp32 steps before a given plan; pass plan= with it, or "
+                             "leave it at 0 (the race's own uncompressed steps set the loss trend)")
         check_int("max_trial_rounds", max_trial_rounds, trial_rounds)
         check_trial_budget(expected_steps, trial_share, tolerance)
         check_evaluate(evaluate)
@@ -152,6 +179,12 @@ class ShardedOnlineTuner:
         self._fidelity_settings = dict(sample=fidelity_sample, window=fidelity_window,
                                        per_coordinate=scales_per_coordinate(optimizer))
         self._drift_factor = fidelity_drift
+        #: ``(step, training loss, under a lossy plan)`` of every step the loop reported (:meth:`record_loss`)
+        self.losses: list[tuple[int, float, bool]] = []
+        self._loss_watch = LossWatch(self.losses, every=watch_every, loss_z=loss_z, group=group)
+        self._watch_every = watch_every
+        self._trend_steps = trend_steps
+        self._given_at: int | None = None  # the step a given plan is installed at, after the trend's fp32 steps
         self._monitor: ShardedFidelityMonitor | None = None
         self._drift: FidelityDrift | None = None
         #: every window the fidelity monitor read, in order
@@ -165,7 +198,12 @@ class ShardedOnlineTuner:
         self._race: Race | None = None
         self._timing: Race | None = None  # the race being run: the race of every arm, or a re-timing after it
         self._retimes: OnlineRetimes | None = None
+        self._after_timing: Callable[[], None] | None = None  # what a re-timing ends in (default: the decision)
         self._judge_fn = None  # kept across the decisions a re-timing interrupts
+        #: the fastest compressed plan the first trial could not prove, and the one being proven online
+        self._unproven: PendingProof | None = None
+        self._proof: PendingProof | None = None
+        self._hook = _SwitchAsHook(self.switch)  # whichever plan runs now, the race's arms included
         #: the re-timings of the plans the trial proved (:class:`policies.do_no_harm.Retiming`), in order
         self.retimed: list = []
         self._problem: ShardedProblem | None = None
@@ -177,20 +215,29 @@ class ShardedOnlineTuner:
         self._handle = model.register_forward_pre_hook(self._on_forward, prepend=True)
 
     def _keep_given(self, plan: Plan) -> None:
-        """A plan the user chose: installed now (every rank must hold the same), then re-trialled and monitored."""
+        """A plan the user chose: installed now, or after ``trend_steps`` fp32 steps that set the loss watch's
+        trend (every rank must hold the same), then re-trialled and monitored."""
         self.plan, self.phase = plan, DECIDED
-        self._install(plan)
+        if self._trend_steps:
+            self._given_at = self._trend_steps
+            self._note("given", f"the given plan ({plan.digest()}) is installed after {self._trend_steps} steps of "
+                                "FSDP's own fp32 reduce-scatter, whose losses set the loss watch's trend")
+            return
+        self._install_given()
+
+    def _install_given(self) -> None:
+        self._given_at = None
+        self._install(self.plan)
         watched = self._schedule_retrials(None)
-        self._note("given", f"the given plan ({plan.digest()}) installed; "
+        self._note("given", f"the given plan ({self.plan.digest()}) installed; "
                    + (f"re-trialled as training pays for it at retrial_share={self._retrial_share:g}" if watched else
                       "not re-trialled (it needs loss_fn, batches and build, a compressed plan and retrial_share)"))
 
     def _install(self, plan: Plan | None) -> None:
         """Run ``plan`` on every group (None: FSDP's own path everywhere), and monitor its fidelity
         where it compresses a group and the monitor is on."""
-        if self._monitor is not None:
-            self._monitor.close()
-        self._monitor = self._drift = None
+        self._stop_monitor()
+        self._hook.plan = plan
         if plan is None:
             self.switch.restore()
             return
@@ -209,6 +256,11 @@ class ShardedOnlineTuner:
         else:
             monitor.close()
 
+    def _stop_monitor(self) -> None:
+        if self._monitor is not None:
+            self._monitor.close()
+        self._monitor = self._drift = None
+
     def _schedule_retrials(self, trial_steps: int | None) -> bool:
         """Re-trial the plan in use from now on, where it compresses and the gate has its data (``trial_steps``:
         the first trial's length, which sets when the first re-trial is paid for); whether it will be."""
@@ -226,7 +278,12 @@ class ShardedOnlineTuner:
                              shadows=sharded_shadows(self.model, self.optimizer, build, self.group), **args)
 
     def record_loss(self, loss) -> None:
-        """Accepted for the loops that report losses to :func:`advisor.wrap`; no loss watch follows here yet."""
+        """Report this step's training loss (a float or a scalar tensor); feeds the loss watch.
+
+        Call once per training step on every rank, after the forward pass.
+        """
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        self.losses.append((self.step - 1, value, self._hook.plan is not None and is_lossy(self._hook.plan)))
 
     def update_starts(self) -> None:
         """Accepted as :class:`advisor.tuning.online.OnlineTuner` accepts it; steps are timed whole here."""
@@ -248,15 +305,20 @@ class ShardedOnlineTuner:
             self._observe(now)
         elif self.phase == RACE and self._timing.step_starts(now):
             if self._timing is not self._race:
-                done = self._retimes.finished(self._timing)
-                self._note("re-timed", f"{done.label} beside {done.baseline}: {done.speedup:.2f}x ({done.low:.2f}-"
-                                       f"{done.high:.2f}) per step over {len(done.plan_s)} rounds, against the "
-                                       f"race's {done.race_speedup:.2f}x ({self._timing.ended})")
-            self._decide()
+                self._note("re-timed", self._retimes.describe(self._retimes.finished(self._timing), self._timing))
+            then, self._after_timing = self._after_timing or self._decide, None
+            then()
         elif self.phase == DECIDED:
+            if self._given_at is not None and self.step >= self._given_at:
+                self._install_given()
             self._check_fidelity()
             if self._retrials is not None and self._retrials.due(self.step):
-                self._retrial(now)
+                if self._proof is not None:
+                    self._prove_online(now)
+                else:
+                    self._retrial(now)
+            if self.phase == DECIDED and self.step % self._watch_every == 0:
+                self._check_loss()
         self.step += 1
 
     def _note(self, what: str, detail: str) -> None:
@@ -281,9 +343,8 @@ class ShardedOnlineTuner:
         for arm in left_out:
             del arms[arm.label]
         self._arms = arms
-        self._race = self._timing = Race(list(arms.values()), _SwitchAsHook(self.switch), group=self.group,
-                                         **self._race_settings)
-        self._retimes = OnlineRetimes(arms, _SwitchAsHook(self.switch), steps=self._race.steps,
+        self._race = self._timing = Race(list(arms.values()), self._hook, group=self.group, **self._race_settings)
+        self._retimes = OnlineRetimes(arms, self._hook, steps=self._race.steps,
                                       max_rounds=self._race.max_rounds, group=self.group)
         self.retimed = self._retimes.record
         self._note("profiled", f"profile and search took {time.perf_counter() - t0:.1f} s; racing {len(arms)} plans "
@@ -304,20 +365,80 @@ class ShardedOnlineTuner:
             decision, checked, _ = decide_time_to_accuracy(self.measured, self._judge_fn, group=self.group,
                                                            retime=self._retimes.retime)
         except RetimeNeeded as need:
-            self._timing = self._retimes.race(need)
-            self._note("re-timing", f"{self._arms[need.decision.chosen].description} was proven by the trial; it "
-                                    f"races {need.decision.best_baseline} alone now, {self._timing.steps} timed steps "
-                                    f"a turn (the race's {need.decision.step_speedup().describe()} chose it, so errs "
-                                    "in its favour)")
-            self._timing.start(time.perf_counter())
+            self._retime(need, "the trial")
             return
         keep_fsdp_unless_exact_is_faster(decision, self.measured)
         self.decision = decision
         self.plan = self._arms[decision.chosen].plan
-        self._install(None if decision.chosen == NATIVE else self.plan)  # NATIVE: FSDP's own path
-        self.phase = DECIDED
+        self._install_decided()
         self._note("decided", f"{decision.reason} (race {self._race.ended})")
+        proof = self._unproven if not decision.compress and self._retrial_share is not None else None
+        if proof is not None:  # its fp32 pair and plan, paid for at retrial_share
+            self._proof = proof
+            self._retrials = RetrialClock(self.step + math.ceil(3 * proof.arm_steps / self._retrial_share),
+                                          self._retrial_share, self.group)
+        if self._unproven is not None and not decision.compress:
+            self._note("unproven", self._unproven.announce(self.accuracy.steps, self._retrials.at if proof else None,
+                                                           self._retrial_share))
+
+    def _install_decided(self) -> None:
+        """Run the decided plan (FSDP's own path where NATIVE was decided), and re-trial it where it compresses."""
+        self._install(None if self.decision.chosen == NATIVE else self.plan)
+        self.phase = DECIDED
         self._schedule_retrials(self.accuracy.steps if self.accuracy else None)
+
+    def _retime(self, need: RetimeNeeded, proven_by: str, then: Callable[[], None] | None = None) -> None:
+        """Race the plan ``proven_by`` proved beside its baseline alone on the next steps; ``then()`` (by
+        default the decision) once it ends."""
+        self._stop_monitor()  # the race switches plans under it
+        self._timing, self._after_timing = self._retimes.race(need), then
+        self.phase = RACE
+        self._note("re-timing", self._retimes.announce(need, self._timing, proven_by))
+        self._timing.start(time.perf_counter())
+
+    def _prove_online(self, started: float) -> None:
+        """The paired trial from the current weights of the plan the first trial could not prove: fp32 twice
+        and the plan, each for up to ``arm_steps`` steps; proven, it is re-timed beside the baseline."""
+        proof = self._proof
+        proof.attempts += 1
+        trial = self._trial(arms_expected=3, budget_steps=3 * proof.arm_steps, time_budget_s=None)
+        trial.start()
+        arm = trial.trial(proof.label, proof.plan, gate.CANDIDATE, proof.description)
+        self.retrials.append((self.step, proof.plan.digest(), arm))
+        follows, detail = settle_proof(proof, arm, can_retime=True)
+        cost_s = self._retrials.ran(self.step, started)
+        if follows != AGAIN:
+            self._proof = None
+            if not is_lossy(self.plan):
+                self._retrials = None
+        self._note("proof", f"{detail} (from the weights at step {self.step}; {cost_s:.1f} s"
+                   + (f", next at step {self._retrials.at})" if follows == AGAIN else ")"))
+        if follows == RETIME:
+            self._retime(RetimeNeeded(proof.decision, arm), "the online trial",
+                         then=lambda: self._proof_retimed(proof, arm))
+
+    def _proof_retimed(self, proof: PendingProof, arm) -> None:
+        """Install the plan proven online where its re-timed time to accuracy beats the baseline's at the
+        95% bound; else go back to the decided baseline.  Either way, watch again."""
+        step = self._retimes.retime(proof.decision, arm)
+        tta, said = judge_retimed_proof(proof, arm, step)
+        if tta.lower() > 1:
+            self.decision = dataclasses.replace(
+                proof.decision, retimed=step, tta=tta,
+                reason=f"{proof.description}: proven online within the tolerance; {said}")
+            self.plan = proof.plan
+            self._note("proof", f"{said}: proven online, installed")
+        else:
+            self._note("proof", f"{said}: not shown faster, not installed; {self.decision.chosen} stands")
+        self._install_decided()
+
+    def _check_loss(self) -> None:
+        """Every ``watch_every`` steps: two windows in a row of the loop's loss above the uncompressed steps'
+        trend back the plan off on every rank."""
+        said = self._loss_watch.check(self.step, self._hook.plan is not None and is_lossy(self._hook.plan))
+        if said:
+            self._note("loss-watch", said)
+            self._back_off("the loss fell behind its trend")
 
     def _retrial(self, started: float) -> None:
         """The paired trial again from the current weights: fp32 twice and the plan in use (judged even
@@ -356,7 +477,7 @@ class ShardedOnlineTuner:
         self.plan, softer = self._softer()
         native = self.plan.default.name == "none" and not self.plan.groups
         self._install(None if native else self.plan)  # FSDP's own path where nothing is compressed
-        if not is_lossy(self.plan):
+        if not is_lossy(self.plan) and self._proof is None:
             self._retrials = None  # a baseline is not re-trialled
         self._note("back-off", f"{plan.digest()} -> {softer} on every group ({why})")
 
@@ -385,6 +506,10 @@ class ShardedOnlineTuner:
             arm = self._arms[decision.chosen]
             verdict = verdict_of(trial, verdicts, self._problem, decision.chosen, arm.plan, arm.kind, arm.description)
             self.accuracy = trial.report()
+            if verdict.status == gate.NOT_PROVEN and verdict.kind == gate.CANDIDATE and self._unproven is None:
+                # the fastest plan the trial could not prove: the trial goes on online
+                self._unproven = PendingProof.after(decision.chosen, arm.plan, arm.description, decision,
+                                                    self.accuracy)
             return verdict
 
         return judge
@@ -402,13 +527,14 @@ def wrap_sharded(model: torch.nn.Module, optimizer=None, **kwargs) -> ShardedOnl
             ``build``, ``evaluate``, ``held_out``, ``metric``, ``expected_steps``,
             ``trial_share``, ``trial_s``, ``tolerance``, ``retrial_share`` (the share of the
             training time re-trials of a compressed plan may take; None: none), for the fidelity
-            monitor ``fidelity_sample`` (0 turns it off), ``fidelity_window``, ``fidelity_drift``, and ``plan``
-            (a plan of your own: installed at once instead of the race, then re-trialled).
+            monitor ``fidelity_sample`` (0 turns it off), ``fidelity_window``, ``fidelity_drift``, for the
+            loss watch ``watch_every`` and ``loss_z``, and ``plan`` (a plan of your own: installed instead
+            of the race, at once or after ``trend_steps`` fp32 steps, then re-trialled and watched).
 
     Returns:
         The :class:`ShardedOnlineTuner`: ``tuner.events``, ``tuner.plan`` (in use once
         ``tuner.phase == "decided"``), ``tuner.measured``, ``tuner.decision``, ``tuner.retrials``,
-        ``tuner.fidelity``.
+        ``tuner.fidelity``; ``tuner.record_loss(loss)`` feeds the loss watch.
 
     Raises:
         TypeError: FSDP1, or a model without ``fully_shard``.

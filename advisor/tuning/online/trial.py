@@ -171,6 +171,23 @@ class OnlineRetimes:
                     min_gain=self.min_gain, group=self.group,
                     decided=retime_settled(decision, need.verdict, self.min_gain))
 
+    def announce(self, need: RetimeNeeded, timing: Race, proven_by: str) -> str:
+        """The event that starts the re-timing ``timing`` of the plan ``proven_by`` proved."""
+        decision = need.decision
+        rounds = (f"{timing.min_rounds}" if timing.min_rounds == timing.max_rounds else
+                  f"{timing.min_rounds} to {timing.max_rounds}")
+        return (f"{self.arms[decision.chosen].description} was proven by {proven_by}; it races "
+                f"{decision.best_baseline} alone now, {timing.steps} timed steps a turn, {rounds} rounds, before its "
+                f"time to accuracy is judged (the race's {decision.step_speedup().describe()} chose it, so errs in "
+                "its favour)")
+
+    @staticmethod
+    def describe(done: Retiming, race: Race) -> str:
+        """The event of the re-timing ``done`` that ``race`` ran."""
+        return (f"{done.label} beside {done.baseline}: {done.speedup:.2f}x ({done.low:.2f}-{done.high:.2f}) per step "
+                f"over {len(done.plan_s)} rounds, against the race's {done.race_speedup:.2f}x ({race.ended}, "
+                f"{done.seconds:.1f} s)")
+
     def finished(self, race: Race) -> Retiming:
         """Keep the figure of the re-timing :meth:`race` built, now that it ended."""
         need, started = self._pending

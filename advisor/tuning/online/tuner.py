@@ -90,13 +90,13 @@ from advisor.tuning.accuracy import AccuracyTrial, check_evaluate
 from advisor.tuning.online.observe import Observation
 from advisor.tuning.online.trial import OnlineRetimes, Race, RetimeNeeded
 from advisor.tuning.online.watch import (
-    MAX_PROOF_ATTEMPTS,
     PendingProof,
     Watch,
     check_fidelity_settings,
     check_retrial_share,
     first_retrial_in,
     is_lossy,
+    judge_retimed_proof,
 )
 from advisor.tuning.steps import (
     DEFAULT_CANDIDATES,
@@ -116,7 +116,6 @@ from advisor.tuning.steps import (
     unprovable,
 )
 from policies import accuracy_gate as gate
-from policies import evidence
 from policies.do_no_harm import FP32
 from policies.optuna_search import OptunaPolicy
 from policies.problem import TuningProblem
@@ -386,13 +385,8 @@ class OnlineTuner:
         self._note("decided", f"{decision.reason} ({sure}; race {race.ended}, {race.steps} timed steps an arm a "
                               "round)")
         if self._unproven is not None and not decision.compress:
-            p = self._unproven
-            self._note("unproven", f"{p.description} won the race ({p.step_speedup.describe()} per step vs "
-                                   f"{p.baseline}) but the {self.accuracy.steps}-step trial could not prove it; " + (
-                f"the trial goes on online: from the weights at step {self._phase.next_trial_at}, fp32 twice and the "
-                f"plan for up to {p.arm_steps} steps each (doubled at each try, {MAX_PROOF_ATTEMPTS} tries at most), "
-                f"as training pays for it at retrial_share={self._retrial_share:g} of its time" if proof is not None else
-                "retrial_share=None, so it is not trialled again"))
+            self._note("unproven", self._unproven.announce(
+                self.accuracy.steps, self._phase.next_trial_at if proof is not None else None, self._retrial_share))
 
     def _accuracy_judge(self, race: Race):
         """``judge(decision) -> ArmResult`` of the paired trial from the current weights, or None (no gate).
@@ -416,12 +410,8 @@ class OnlineTuner:
                 statuses.append(arm.status)
             if arm.status == gate.NOT_PROVEN and arm.kind == gate.CANDIDATE and self._unproven is None:
                 # the fastest plan the trial could not prove: the watch goes on trialling it
-                # what the trial said it needs, at least twice the shortest proof, at most twice this trial (a
-                # short trial's estimate can be wild): later tries double it
-                shortest = 2 * gate.MIN_PROOF_STEPS
-                steps = min(max(self.accuracy.steps_needed, shortest), max(2 * self.accuracy.steps, shortest))
-                self._unproven = PendingProof(raced.label, raced.plan, raced.description,
-                                              dataclasses.replace(decision), steps)
+                self._unproven = PendingProof.after(raced.label, raced.plan, raced.description, decision,
+                                                    self.accuracy)
             if not arm.accepted:
                 self._note("accuracy", f"{decision.chosen} rejected: {arm.reason}")
             judged[decision.chosen] = arm
@@ -433,12 +423,7 @@ class OnlineTuner:
         """Race the proven plan beside its baseline alone on the next steps; ``then()`` once it ends."""
         self._phase = timing = self._retimes.race(need)
         self._after_retiming = then
-        rounds = (f"{timing.min_rounds}" if timing.min_rounds == timing.max_rounds else
-                  f"{timing.min_rounds} to {timing.max_rounds}")
-        self._note("re-timing", f"{self._race.arms[need.decision.chosen].description} was proven by {proven_by}; it "
-                                f"races {need.decision.best_baseline} alone now, {timing.steps} timed steps a "
-                                f"turn, {rounds} rounds, before its time to accuracy is judged (the race's "
-                                f"{need.decision.step_speedup().describe()} chose it, so errs in its favour)")
+        self._note("re-timing", self._retimes.announce(need, timing, proven_by))
         timing.start(time.perf_counter())
 
     def _retime_proof(self, proof: PendingProof, arm) -> None:
@@ -451,9 +436,7 @@ class OnlineTuner:
         """Install the plan proven online where its re-timed time to accuracy beats the baseline's at
         the 95% bound; else go back to the baseline.  Either way, watch again."""
         step = self._retimes.retime(proof.decision, arm)
-        tta = evidence.time_to_accuracy(step, arm.efficiency_estimate())
-        said = (f"time to accuracy {tta.describe()} vs {proof.baseline} (re-timed step speed-up {step.describe()} x "
-                f"step efficiency, 95% bounds; the race's {proof.step_speedup.describe()})")
+        tta, said = judge_retimed_proof(proof, arm, step)
         if tta.lower() > 1:
             self.decision = dataclasses.replace(
                 proof.decision, retimed=step, tta=tta,
@@ -467,10 +450,7 @@ class OnlineTuner:
         self._phase = self._watch(first_in=1)
 
     def _retimed(self, race: Race) -> None:
-        done = self._retimes.finished(race)
-        self._note("re-timed", f"{done.label} beside {done.baseline}: {done.speedup:.2f}x ({done.low:.2f}-"
-                               f"{done.high:.2f}) per step over {len(done.plan_s)} rounds, against the race's "
-                               f"{done.race_speedup:.2f}x ({race.ended}, {done.seconds:.1f} s)")
+        self._note("re-timed", self._retimes.describe(self._retimes.finished(race), race))
 
     def _watch(self, proof: PendingProof | None = None, **where) -> Watch:
         monitor = None

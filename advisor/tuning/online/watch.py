@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -72,6 +73,67 @@ class PendingProof:
     @property
     def baseline(self) -> str:
         return self.decision.best_baseline
+
+    @classmethod
+    def after(cls, label: str, plan: Plan, description: str, decision: Decision, report) -> PendingProof:
+        """The proof of a plan the first trial (``report``) could not prove: as many steps an arm as that
+        trial said it needs, at least twice the shortest proof, at most twice that trial (a short trial's
+        estimate of the length it needs can be wild; later tries double it)."""
+        shortest = 2 * gate.MIN_PROOF_STEPS
+        steps = min(max(report.steps_needed, shortest), max(2 * report.steps, shortest))
+        return cls(label, plan, description, dataclasses.replace(decision), steps)
+
+    def announce(self, trial_steps: int, at: int | None, share: float | None) -> str:
+        """The event saying it won the race unproven, and when (``at``) it is trialled online, if at all."""
+        return (f"{self.description} won the race ({self.step_speedup.describe()} per step vs {self.baseline}) but "
+                f"the {trial_steps}-step trial could not prove it; " + (
+                    f"the trial goes on online: from the weights at step {at}, fp32 twice and the plan for up to "
+                    f"{self.arm_steps} steps each (doubled at each try, {MAX_PROOF_ATTEMPTS} tries at most), as "
+                    f"training pays for it at retrial_share={share:g} of its time" if at is not None else
+                    "retrial_share=None, so it is not trialled again"))
+
+
+#: what follows one online trial of a :class:`PendingProof` (:func:`settle_proof`)
+AGAIN, GIVEN_UP, RETIME, INSTALL = "again", "given up", "re-time", "install"
+
+
+def settle_proof(proof: PendingProof, arm, can_retime: bool) -> tuple[str, str]:
+    """After an online trial of ``proof`` (counted in ``proof.attempts``) showed ``arm``: what follows and
+    the event's text.
+
+    :data:`AGAIN` (not proven yet: the next try trains twice the steps), :data:`GIVEN_UP`
+    (rejected, or unproven after :data:`MAX_PROOF_ATTEMPTS` tries, or proven but not faster),
+    :data:`RETIME` (proven within the tolerance, where the caller can time it again beside the
+    baseline before judging), or :data:`INSTALL` (proven faster to accuracy than the baseline at
+    the 95% bound on the race's step speed-up).
+    """
+    if arm.status == gate.NOT_PROVEN:
+        # a short trial's estimate of the length it needs is itself noisy: each try doubles it instead
+        proof.arm_steps *= 2
+        if proof.attempts < MAX_PROOF_ATTEMPTS:
+            return AGAIN, f"{arm.reason}; tried again with up to {proof.arm_steps} steps an arm"
+        return GIVEN_UP, f"{arm.reason}; given up after {proof.attempts} online trials"
+    if arm.status == gate.REJECTED:
+        return GIVEN_UP, f"{arm.reason}; given up"
+    efficiency = arm.efficiency_estimate()
+    if efficiency is not None and can_retime:
+        return RETIME, (f"{arm.reason}; proven within the tolerance online: it is timed again beside "
+                        f"{proof.baseline} before its time to accuracy is judged")
+    tta = time_to_accuracy(proof.step_speedup, efficiency) if efficiency is not None else None
+    if tta is None or not tta.lower() > 1:
+        faster = f"{tta.describe()} vs {proof.baseline} (95% bounds)" if tta else "unreadable (fp32's curve is flat)"
+        return GIVEN_UP, f"{arm.reason}; but its time to accuracy {faster} is not shown faster: not installed"
+    return INSTALL, (f"{arm.reason}; time to accuracy {tta.describe()} vs {proof.baseline} (step speed-up "
+                     f"{proof.step_speedup.describe()} x step efficiency, 95% bounds): proven online, installed")
+
+
+def judge_retimed_proof(proof: PendingProof, arm, step: Estimate) -> tuple[Estimate, str]:
+    """A plan proven online and timed again (``step``: its re-timed step speed-up over the baseline):
+    its time to accuracy, and what to say of it; install it only where that beats the baseline
+    at the 95% bound (``lower() > 1``)."""
+    tta = time_to_accuracy(step, arm.efficiency_estimate())
+    return tta, (f"time to accuracy {tta.describe()} vs {proof.baseline} (re-timed step speed-up {step.describe()} x "
+                 f"step efficiency, 95% bounds; the race's {proof.step_speedup.describe()})")
 
 
 def check_retrial_share(retrial_share) -> None:
@@ -165,6 +227,49 @@ class FidelityDrift:
                 + ", ".join(f"{label} {e:.2%}" for label, e in drifted.items())), drifted
 
 
+class LossWatch:
+    """Whether the training loss under a lossy plan has fallen behind its uncompressed trend.
+
+    ``losses`` is the tuner's list of ``(step, loss, under a lossy plan)``, which it goes on
+    appending to.  The first :meth:`check` with at least 4 uncompressed losses (from step 1)
+    fits the trend ``a + b·ln(step)`` to their mean over ranks; each check compares the mean loss
+    (over ranks) of the lossy steps in the last ``every`` with the trend's prediction, and two
+    checks in a row above it by more than ``loss_z`` standard errors say the plan fell behind.
+    Every rank must check at the same steps (it all-reduces), whatever it recorded.
+    """
+
+    def __init__(self, losses: list[tuple[int, float, bool]], *, every: int, loss_z: float, group=None) -> None:
+        self.losses, self.every, self.loss_z, self.group = losses, every, loss_z, group
+        self._trend: tuple[float, float, float] | None = None
+        self._strikes = 0
+
+    def check(self, step: int, lossy: bool) -> str:
+        """At ``step``, under a plan that is ``lossy`` or not: the event's text where the loss fell behind
+        two checks in a row (counting starts afresh), else ""."""
+        if not lossy:
+            self._strikes = 0
+            return ""
+        window = [(s, v) for s, v, under in self.losses if under and s > step - self.every - 1]
+        baseline = [(s, v) for s, v, under in self.losses if not under and s >= 1]
+        n_base, n_window = (int(n) for n in fastest([len(baseline), len(window)], self.group))
+        if n_base < 4 or n_window < 1:
+            return ""
+        if self._trend is None:
+            mean = mean_over_ranks([v for _, v in baseline[-n_base:]], self.group)
+            self._trend = loss_trend([s for s, _ in baseline[-n_base:]], mean)
+        a, b, sigma = self._trend
+        window = window[-n_window:]
+        observed = mean_over_ranks([sum(v for _, v in window) / n_window], self.group)[0]
+        expected = sum(a + b * math.log(s + 1) for s, _ in window) / n_window
+        bound = expected + self.loss_z * sigma / math.sqrt(n_window)
+        self._strikes = self._strikes + 1 if observed > bound else 0
+        if self._strikes < 2:
+            return ""
+        self._strikes = 0
+        return (f"training loss {observed:.4g} over the last {n_window} steps vs {expected:.4g} expected from the "
+                f"uncompressed steps' trend (bound {bound:.4g}, {self.loss_z:g} standard errors), two windows in a row")
+
+
 class Watch:
     """Three checks that back the plan off one level where it loses.
 
@@ -232,8 +337,7 @@ class Watch:
         self._gains: dict[str, float] = {}
         self._gain_observer = None
         self._watching = False
-        self._trend: tuple[float, float, float] | None = None
-        self._strikes = 0
+        self._loss = LossWatch(losses, every=every, loss_z=loss_z, group=group)
         self._closed = False
         if monitor is not None:
             monitor.start()
@@ -329,27 +433,14 @@ class Watch:
         proof.attempts += 1
         arm, report = self.prove(proof)
         self.retrials.append((step, proof.plan.digest(), arm))
-        if arm.status == gate.NOT_PROVEN:
-            # a short trial's estimate of the length it needs is itself noisy: each try doubles it instead
-            proof.arm_steps *= 2
-            if proof.attempts < MAX_PROOF_ATTEMPTS:
-                return f"{arm.reason}; tried again with up to {proof.arm_steps} steps an arm", None
+        follows, detail = settle_proof(proof, arm, can_retime=self.retime is not None)
+        if follows != AGAIN:
             self.proof = None
-            return f"{arm.reason}; given up after {proof.attempts} online trials", None
-        self.proof = None
-        if arm.status == gate.REJECTED:
-            return f"{arm.reason}; given up", None
-        efficiency = arm.efficiency_estimate()
-        if efficiency is not None and self.retime is not None:
-            return (f"{arm.reason}; proven within the tolerance online: it is timed again beside {proof.baseline} "
-                    "before its time to accuracy is judged", lambda: self.retime(proof, arm))
-        tta = time_to_accuracy(proof.step_speedup, efficiency) if efficiency is not None else None
-        if tta is None or not tta.lower() > 1:
-            faster = f"{tta.describe()} vs {proof.baseline} (95% bounds)" if tta else "unreadable (fp32's curve is flat)"
-            return f"{arm.reason}; but its time to accuracy {faster} is not shown faster: not installed", None
-        detail = (f"{arm.reason}; time to accuracy {tta.describe()} vs {proof.baseline} (step speed-up "
-                  f"{proof.step_speedup.describe()} x step efficiency, 95% bounds): proven online, installed")
-        return detail, lambda: self._set(proof.plan, reason=f"proven online: {proof.description}")
+        if follows == RETIME:
+            return detail, lambda: self.retime(proof, arm)
+        if follows == INSTALL:
+            return detail, lambda: self._set(proof.plan, reason=f"proven online: {proof.description}")
+        return detail, None
 
     # --- the compression gain -------------------------------------------------------------
     def _measure_gains_on_this_step(self) -> None:
@@ -398,33 +489,12 @@ class Watch:
     # --- the loss -----------------------------------------------------------------------
     def _check_loss(self, step: int) -> None:
         """Two watch windows in a row above the uncompressed steps' loss trend: back off one level."""
-        if not is_lossy(self.plan):
-            self._strikes = 0
+        said = self._loss.check(step, is_lossy(self.plan))
+        if not said:
             return
-        lossy = [(s, loss) for s, loss, under in self.losses if under]
-        window = [(s, v) for s, v in lossy if s > step - self.every - 1]
-        baseline = [(s, v) for s, v, under in self.losses if not under and s >= 1]
-        # every rank takes part in the same collectives, whatever it recorded
-        n_base, n_window = (int(n) for n in fastest([len(baseline), len(window)], self.group))
-        if n_base < 4 or n_window < 1:
-            return
-        if self._trend is None:
-            mean = mean_over_ranks([v for _, v in baseline[-n_base:]], self.group)
-            self._trend = loss_trend([s for s, _ in baseline[-n_base:]], mean)
-        a, b, sigma = self._trend
-        window = window[-n_window:]
-        observed = mean_over_ranks([sum(v for _, v in window) / n_window], self.group)[0]
-        expected = sum(a + b * math.log(s + 1) for s, _ in window) / n_window
-        bound = expected + self.loss_z * sigma / math.sqrt(n_window)
-        self._strikes = self._strikes + 1 if observed > bound else 0
-        if self._strikes < 2:
-            return
-        self._strikes = 0
         params = [n for n, _ in self.ddp.module.named_parameters()]
         moves = {n: (0.0, 1.0) for n in params if self.plan.config_for(n).label not in ("none",)}
-        self.note("loss-watch", f"training loss {observed:.4g} over the last {n_window} steps vs {expected:.4g} "
-                                f"expected from the uncompressed steps' trend (bound {bound:.4g}, {self.loss_z:g} "
-                                "standard errors), two windows in a row")
+        self.note("loss-watch", said)
         self._back_off(moves, why="the loss fell behind its trend")
 
     # --- backing off ----------------------------------------------------------------------
