@@ -15,32 +15,43 @@ checked by the import contract in ``pyproject.toml``):
 """
 
 from advisor.compressors import CompressorConfig, available, build, parse
+from advisor.core.version import __version__
 from advisor.runtime import CompressionHook, FidelityMonitor, FidelityReading, Plan, PlanGroup, install
-from advisor.testbed.jobs import autotune_model
-from advisor.testbed.validate import ValidationReport
-from advisor.testbed.workloads import Workload
-from advisor.tuning.autotune import autotune
-from advisor.tuning.layout import ddp_for
-from advisor.tuning.online import OnlineTuner, TunerEvent, wrap
-from advisor.tuning.results import AutotuneResult, TunedResult
 
-__version__ = "0.1.0"
+#: the entry points of the upper layers, by the module that holds each: imported on first use, so
+#: that importing a lower layer (``advisor.core``, which profilers and policies build on) never
+#: loads the layers above it; and FSDP2's reduce-scatter interface lives in a private torch module
+_LAZY = {
+    "autotune_model": "advisor.testbed.jobs",
+    "ValidationReport": "advisor.testbed.validate",
+    "Workload": "advisor.testbed.workloads",
+    "autotune": "advisor.tuning.autotune",
+    "ddp_for": "advisor.tuning.layout",
+    "OnlineTuner": "advisor.tuning.online",
+    "TunerEvent": "advisor.tuning.online",
+    "wrap": "advisor.tuning.online",
+    "AutotuneResult": "advisor.tuning.results",
+    "TunedResult": "advisor.tuning.results",
+    "install_sharded": "advisor.runtime.sharded",
+    "autotune_sharded": "advisor.tuning.sharded",
+    "ShardedAutotuneResult": "advisor.tuning.sharded",
+    "wrap_sharded": "advisor.tuning.online.sharded",
+}
+
 
 def __getattr__(name: str):
-    # FSDP2's reduce-scatter interface lives in a private torch module: imported on first use only
-    if name == "install_sharded":
-        from advisor.runtime.sharded import install_sharded
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'advisor' has no attribute {name!r}")
+    import importlib
 
-        return install_sharded
-    if name in ("autotune_sharded", "ShardedAutotuneResult"):
-        from advisor.tuning import sharded
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # looked up once
+    return value
 
-        return getattr(sharded, name)
-    if name == "wrap_sharded":
-        from advisor.tuning.online.sharded import wrap_sharded
 
-        return wrap_sharded
-    raise AttributeError(f"module 'advisor' has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = [

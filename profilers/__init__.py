@@ -1,9 +1,5 @@
 """Profilers of the live cluster (compute, network, kernels, gradient fidelity)."""
 
-# The advisor package (whose lower layers this one builds on) loads first, whichever package a
-# program imports first: its root re-exports the tuning entry points, which import this one.
-import advisor  # noqa: F401
-
 from .profile import (
     Bucket,
     ClusterProfile,

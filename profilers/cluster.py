@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-import advisor
 from advisor.compressors import SegmentLayout
 from advisor.compressors.forms import choose_forms
 from advisor.core.collectives import every_rank, slowest
+from advisor.core.version import __version__
 
 from .compute import LossFn, profile_compute
 from .fidelity import bucket_layout, profile_fidelity
@@ -37,7 +37,7 @@ def environment_of(ddp: DistributedDataParallel, group, note: str) -> Environmen
         backend=str(dist.get_backend(group)),
         device=str(device),
         torch_version=torch.__version__,
-        advisor_version=advisor.__version__,
+        advisor_version=__version__,
         hosts=[str(h) for h in hosts],
         threads=torch.get_num_threads(),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

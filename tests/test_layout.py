@@ -52,3 +52,41 @@ def test_any_package_can_be_imported_first():
     done = subprocess.run([sys.executable, "-c", FIRST_IMPORTS, *modules], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and not done.stdout.strip(), done.stdout + done.stderr[-3000:]
+
+
+#: the layers below the package root's re-exports: none may import the root (``import advisor``,
+#: ``from advisor import ...``), which would load the layers above them
+LOWER = ("profilers", "policies", "advisor/core", "advisor/compressors", "advisor/runtime", "advisor/perfmodel",
+         "advisor/report", "advisor/tuning")
+
+
+def test_no_lower_layer_imports_the_package_root():
+    import ast
+
+    offenders = []
+    for folder in LOWER:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+                if "advisor" in names:
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, offenders
+
+
+def test_importing_a_lower_layer_loads_nothing_above_it():
+    check = ("import sys, profilers, policies, advisor.core.documents\n"
+             "print(sorted(m for m in sys.modules if m.startswith(('advisor.tuning', 'advisor.testbed', "
+             "'advisor.integrations', 'advisor.cli'))))")
+    done = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr[-3000:]
+
+
+def test_the_package_root_offers_every_name_it_lists():
+    import advisor
+
+    assert set(advisor.__all__) <= set(dir(advisor))
+    for name in advisor.__all__:
+        assert getattr(advisor, name) is not None, name
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        advisor.nope  # noqa: B018
