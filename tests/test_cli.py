@@ -312,9 +312,11 @@ def test_validate_trains_fp32_16bit_and_a_plan_on_digits(runner, tmp_path):
     assert all(a["steps"][:4] == [0, 10, 20, 30] and a["steps"][-1] <= 60 for a in data["arms"])
     assert set(data["time_to_target_s"]) == {"fp32", "fp32 (other order)", "fp16", "plan"}
     assert (tmp_path / "c.png").exists()
-    shown = runner.invoke(main, ["validate", "--plan", str(plan), "--steps", "10", "--eval-every", "5"])
+    shown = runner.invoke(main, ["validate", "--plan", str(plan), "--steps", "10", "--eval-every", "5", "--runs", "3"])
     assert shown.exit_code == 0 and "Time-to-accuracy speed-up" in shown.output
-    assert "the two fp32 runs (batch orders) end" in " ".join(shown.output.split())
+    said = " ".join(shown.output.split())
+    assert "the two fp32 runs (batch orders) end" in said
+    assert "The same comparison in 3 batch orders" in said and "Over 3 orders the plan is" in said
 
 
 def test_validate_refuses_a_plan_for_another_model(runner, tmp_path):

@@ -44,11 +44,34 @@ def test_a_harmful_plan_falls_behind_and_never_reaches_the_target():
     assert report.time_to_target_s["plan"] is None and report.speedup["vs_fp32"] is None
 
 
+@pytest.mark.slow
+def test_runs_repeat_the_comparison_in_other_batch_orders_each_timed_to_its_own_fp32():
+    plan = Plan.uniform("intquant(bits=8, packed=0)", warmup_steps=0)
+    report = validate_workload(DIGITS, plan, steps=40, eval_every=20, runs=3)
+    assert [r.order for r in report.runs] == [0, 1, 2]
+    # order 0 is the arms' own; order 1 is the other fp32 arm's order, whose run is reused
+    first, second, third = report.runs
+    assert first.final == {"fp32": report.arm("fp32").final("loss"), "16-bit": report.arm("16-bit").final("loss"),
+                           "plan": report.arm("plan").final("loss")}
+    assert second.final["fp32"] == report.arm("fp32 (other order)").final("loss") == second.target
+    assert third.target == third.final["fp32"] and third.target not in (first.target, second.target)
+    assert all(r.time_to_target_s["fp32"] is not None and r.step_s["plan"] > 0 for r in report.runs)
+    # the gap is paired by order: its interval holds the mean of the three gaps
+    mean, low, high = report.gap_interval()
+    assert mean == pytest.approx(sum(r.gap(False) for r in report.runs) / 3) and low < mean < high
+    assert abs(mean) < 0.05
+    assert ValidationReport.from_json(report.to_json()) == report
+    single = validate_workload(DIGITS, Plan.uniform("fp16", warmup_steps=0), steps=10, eval_every=10)
+    assert single.runs == [] and single.gap_interval() is None
+
+
 def test_bad_input_is_refused_before_training():
     with pytest.raises(ValueError, match="missing from the model"):
         validate_workload(DIGITS, Plan.from_assignments({"encoder.weight": "fp16"}))
     with pytest.raises(ValueError, match="steps=0"):
         validate_workload(DIGITS, Plan.uniform("fp16"), steps=0)
+    with pytest.raises(ValueError, match="runs=0"):
+        validate_workload(DIGITS, Plan.uniform("fp16"), runs=0)
     with pytest.raises(ValueError, match="sixteen='fp8'"):
         validate_workload(DIGITS, Plan.uniform("fp16"), sixteen="fp8")
     with pytest.raises(ValueError, match="does not import"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 from rich.console import Console
 from rich.table import Table
 
@@ -30,11 +32,35 @@ def render_validation(report, console: Console | None = None) -> None:
     console.print(f"Target: {report.metric} {'>=' if report.higher_is_better else '<='} {report.target:.4g} "
                   f"({report.target_source}). Time-to-accuracy speed-up of the plan: {fmt(s.get('vs_fp32'))} "
                   f"vs fp32, {fmt(s.get('vs_16bit'))} vs 16-bit.")
+    if report.runs:
+        _render_runs(report, console)
     noise = report.noise()
     if noise is not None:
         console.print(f"Noise: the two fp32 runs (batch orders) end {noise:.2%} apart in {report.metric}; the "
                       f"plan's gap is {report.gap():+.2%}" + (" (within it)." if report.gap() <= noise else
                                                              " (beyond it)."))
+
+
+def _render_runs(report, console: Console) -> None:
+    """Each batch order's comparison, then the plan's gap and speed-up over all of them."""
+    table = Table(title=f"The same comparison in {len(report.runs)} batch orders (each timed to its own target)")
+    for col in ("order", "target", "plan vs fp32", "TTA vs fp32", "TTA vs 16-bit"):
+        table.add_column(col, justify="right")
+
+    def fmt(x):
+        return f"{x:.2f}x" if x is not None else "-"
+
+    for r in report.runs:
+        table.add_row(str(r.order), f"{r.target:.4g}", f"{r.gap(report.higher_is_better):+.2%}",
+                      fmt(r.speedup("fp32")), fmt(r.speedup("16-bit")))
+    console.print(table)
+    mean, low, high = report.gap_interval()
+    faster = [x for x in (r.speedup("16-bit") for r in report.runs) if x is not None]
+    console.print(f"Over {len(report.runs)} orders the plan is {mean:+.2%} behind fp32 (95%: {low:+.2%} to "
+                  f"{high:+.2%}); to accuracy vs 16-bit: " + (
+                      f"median {statistics.median(faster):.2f}x, {min(faster):.2f}-{max(faster):.2f}x"
+                      + (f" ({len(report.runs) - len(faster)} order(s) where one arm never reached it)"
+                         if len(faster) < len(report.runs) else "") if faster else "never reached in any order"))
 
 
 def save_validation_png(report, path) -> None:

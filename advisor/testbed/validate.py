@@ -13,6 +13,14 @@ The report holds every arm's curves against steps and wall time, the time each a
 to reach the target (default: the fp32 arm's final value), and the time-to-accuracy
 speed-ups of the plan over fp32 and over 16-bit: the speed-up that counts (Han et al.
 2024), not the one per step.
+
+One run decides little: two equally good fp32 runs in different batch orders can end further
+apart than the 1% a plan is held to.  ``runs=N`` repeats the comparison in N batch orders (as
+MLPerf asks for several runs of each submission): fp32, the 16-bit cast and the plan in each
+order from the same start, each order's arms timed to its own fp32 final value.  The report's
+:attr:`ValidationReport.runs` hold each replicate; the plan's gap behind fp32 is then a mean
+over orders with a 95% interval (paired by order), and its time-to-accuracy speed-up a
+median with its range.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from scipy import stats
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
@@ -76,12 +85,34 @@ class ValidationCurve:
 
 
 @dataclass
+class ValidationRun:
+    """The comparison in one batch order (a replicate): fp32, the 16-bit cast and the plan from the
+    same start, each timed to ``target`` (the fixed target, else this order's fp32 final value).
+    ``final``, ``time_to_target_s`` and ``step_s`` are by arm kind: ``"fp32"``, ``"16-bit"``, ``"plan"``."""
+
+    order: int
+    target: float
+    final: dict[str, float]
+    time_to_target_s: dict[str, float | None]
+    step_s: dict[str, float]
+
+    def gap(self, higher_is_better: bool) -> float:
+        """How much worse the plan's final metric is than fp32's in this order, relative (positive: worse)."""
+        sign = -1.0 if higher_is_better else 1.0
+        return sign * (self.final[PLAN] - self.final[FP32]) / max(abs(self.final[FP32]), 1e-12)
+
+    def speedup(self, kind: str = SIXTEEN_BIT) -> float | None:
+        """How many times sooner than the ``kind`` arm the plan reached the target (None: one did not)."""
+        return speedup(self.time_to_target_s.get(kind), self.time_to_target_s.get(PLAN))
+
+
+@dataclass
 class ValidationReport(VersionedDocument):
     """Curves, time to target and speed-ups to the same accuracy, for every arm."""
 
     what = "validation report"
     KIND = VALIDATION_KIND
-    VERSION = 2
+    VERSION = 3
 
     model: str
     where: str
@@ -101,8 +132,10 @@ class ValidationReport(VersionedDocument):
     autotune: dict[str, Any] | None = None
     #: the same autotune call repeated from the same start, after the first (``repeats=N``)
     repeats: list[dict[str, Any]] = field(default_factory=list)
+    #: the comparison in each batch order (``runs=N``; the first is the arms' own order), else empty
+    runs: list[ValidationRun] = field(default_factory=list)
     kind: str = VALIDATION_KIND
-    version: int = 2
+    version: int = 3
 
     def arm(self, kind: str) -> ValidationCurve:
         for a in self.arms:
@@ -126,6 +159,16 @@ class ValidationReport(VersionedDocument):
         plan, fp32 = self.arm(kind).final(self.metric), self.arm(FP32).final(self.metric)
         sign = -1.0 if self.higher_is_better else 1.0
         return sign * (plan - fp32) / max(abs(fp32), 1e-12)
+
+    def gap_interval(self, confidence: float = 0.95) -> tuple[float, float, float] | None:
+        """The plan's gap behind fp32 over the batch orders: (mean, low, high), a Student's t interval of
+        the per-order gaps (each paired with fp32 in the same order); None with fewer than two orders."""
+        gaps = [r.gap(self.higher_is_better) for r in self.runs]
+        if len(gaps) < 2:
+            return None
+        mean = statistics.fmean(gaps)
+        half = stats.t.ppf((1 + confidence) / 2, len(gaps) - 1) * statistics.stdev(gaps) / math.sqrt(len(gaps))
+        return mean, mean - half, mean + half
 
     def time_to_target_speedup(self, label: str) -> float | None:
         """How many times sooner than fp32 the arm ``label`` reached the target; None where one did not."""
@@ -208,7 +251,7 @@ def _reached(value: float, target: float, higher: bool) -> bool:
 
 def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, steps: int, eval_every: int,
                    sixteen: str | None, target: float | None, extra: float, autotune_kwargs: dict, where: str,
-                   sharded: bool = False):
+                   sharded: bool = False, runs: int = 1):
     workload = build_workload(spec)
     if sixteen is None:
         sixteen = preferred_sixteen_bit(workload.optimizer(copy.deepcopy(workload.model)))
@@ -252,25 +295,47 @@ def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, ste
     shuffled = random.Random(1).sample(mine, len(mine))
     arms.append(_train_arm(workload, initial, None, shuffled, steps, eval_every, evaluate, workload.metric,
                            NOISE, NOISE, "fp32, batches in another order", sharded=sharded))
-    goal = target if target is not None else workload.target
-    goal = goal if goal is not None else arms[0].final(workload.metric)
-    # the other arms train on (up to ``extra`` times the steps) until they reach it: time to accuracy
-    until = {"until": (goal, higher_is_better(workload.metric)), "max_steps": math.ceil(extra * steps)}
-    arms.append(_train_arm(workload, initial, Plan.uniform(sixteen, warmup_steps=0), mine, steps, eval_every,
-                           evaluate, workload.metric, sixteen, SIXTEEN_BIT, f"{sixteen} everywhere", sharded=sharded,
-                           **until))
-    if native:
-        arms.append(ValidationCurve(**{**arms[0].__dict__, "label": "plan", "kind": PLAN,
-                                       "description": "the plan: fp32 (native DDP, no hook)"}))
-    elif _describe(plan) == f"{sixteen} everywhere":
-        arms.append(ValidationCurve(**{**arms[-1].__dict__, "label": "plan", "kind": PLAN,
-                                       "description": f"the plan: {sixteen} everywhere"}))
-    else:
-        arms.append(_train_arm(workload, initial, plan, mine, steps, eval_every, evaluate, workload.metric,
-                               "plan", PLAN, f"the plan: {description}", sharded=sharded, **until))
+    fixed = target if target is not None else workload.target
+    metric = workload.metric
+
+    def cast_and_plan(fp32: ValidationCurve, order: list, suffix: str = "") -> list[ValidationCurve]:
+        """The 16-bit and plan arms in ``order``: they train on (up to ``extra`` times the steps) until
+        they reach the target, ``fp32``'s final value unless one is fixed: their time to accuracy."""
+        goal = fixed if fixed is not None else fp32.final(metric)
+        until = {"until": (goal, higher_is_better(metric)), "max_steps": math.ceil(extra * steps)}
+        cast = _train_arm(workload, initial, Plan.uniform(sixteen, warmup_steps=0), order, steps, eval_every,
+                          evaluate, metric, sixteen + suffix, SIXTEEN_BIT, f"{sixteen} everywhere", sharded=sharded,
+                          **until)
+        if native:
+            return [cast, ValidationCurve(**{**fp32.__dict__, "label": "plan" + suffix, "kind": PLAN,
+                                             "description": "the plan: fp32 (native DDP, no hook)"})]
+        if _describe(plan) == f"{sixteen} everywhere":
+            return [cast, ValidationCurve(**{**cast.__dict__, "label": "plan" + suffix, "kind": PLAN,
+                                             "description": f"the plan: {sixteen} everywhere"})]
+        return [cast, _train_arm(workload, initial, plan, order, steps, eval_every, evaluate, metric, "plan" + suffix,
+                                 PLAN, f"the plan: {description}", sharded=sharded, **until)]
+
+    arms += cast_and_plan(arms[0], mine)
+    replicates = [] if runs == 1 else [_replicate(0, arms[0], arms[2], arms[3], metric, fixed)]
+    for order in range(1, runs):  # order 1 is the other fp32 arm's
+        shuffled = random.Random(order).sample(mine, len(mine))
+        fp32 = arms[1] if order == 1 else _train_arm(workload, initial, None, shuffled, steps, eval_every, evaluate,
+                                                      metric, f"fp32, order {order}", FP32, "fp32", sharded=sharded)
+        replicates.append(_replicate(order, fp32, *cast_and_plan(fp32, shuffled, f", order {order}"), metric, fixed))
     return {"arms": arms, "plan": plan.to_dict(), "description": description, "advice": advice,
-            "metric": workload.metric, "target": workload.target, "where": where, "autotune": tuned_result,
-            "repeats": repeats[1:]}
+            "metric": metric, "target": workload.target, "where": where, "autotune": tuned_result,
+            "repeats": repeats[1:], "runs": replicates}
+
+
+def _replicate(order: int, fp32: ValidationCurve, cast: ValidationCurve, plan: ValidationCurve, metric: str,
+               fixed: float | None) -> ValidationRun:
+    """One order's comparison, each arm timed to the fixed target, else to this order's fp32 final value."""
+    goal = fixed if fixed is not None else fp32.final(metric)
+    higher = higher_is_better(metric)
+    curves = {FP32: fp32, SIXTEEN_BIT: cast, PLAN: plan}
+    return ValidationRun(order, goal, {k: c.final(metric) for k, c in curves.items()},
+                         {k: c.time_to(metric, goal, higher) for k, c in curves.items()},
+                         {k: c.step_s for k, c in curves.items()})
 
 
 def tuning_data(batches: list, data) -> Any:
@@ -292,7 +357,7 @@ def _describe(plan: Plan) -> str:
 def validate_workload(spec: str, plan=None, *, nproc: int = 2, rate: str | None = None, steps: int = 300,
                       eval_every: int | None = None, sixteen: str | None = None, target: float | None = None,
                       extra_steps: float = 2.0, autotune_kwargs: dict | None = None,
-                      timeout: float = 3000.0, sharded: bool = False) -> ValidationReport:
+                      timeout: float = 3000.0, sharded: bool = False, runs: int = 1) -> ValidationReport:
     """Train fp32, ``sixteen`` and ``plan`` on ``nproc`` ranks for ``steps`` steps; compare time to accuracy.
 
     Args:
@@ -314,6 +379,8 @@ def validate_workload(spec: str, plan=None, *, nproc: int = 2, rate: str | None 
         sharded: shard every arm's model with the workload's ``shard`` (FSDP2), install plans on its
             ``fully_shard`` groups (:func:`advisor.install_sharded`), and autotune with
             :func:`advisor.autotune_sharded` where no plan is given.
+        runs: the comparison in this many batch orders (fp32, 16-bit and the plan in each; see the
+            module doc); 1: one order, with fp32 also in a second one (the noise).
 
     Returns:
         A :class:`ValidationReport`: each arm's curve, its time to the target and its
@@ -324,7 +391,7 @@ def validate_workload(spec: str, plan=None, *, nproc: int = 2, rate: str | None 
             way to evaluate, before any training; an ``evaluate`` that fails, on every rank.
     """
     load_factory(spec)
-    for name, value in (("nproc", nproc), ("steps", steps)):
+    for name, value in (("nproc", nproc), ("steps", steps), ("runs", runs)):
         check_int(name, value)
     eval_every = eval_every if eval_every is not None else max(1, steps // 20)
     check_int("eval_every", eval_every)
@@ -347,7 +414,7 @@ def validate_workload(spec: str, plan=None, *, nproc: int = 2, rate: str | None 
     kwargs = dict(autotune_kwargs or {})
 
     def args(where: str):
-        return (spec, plan_dict, steps, eval_every, sixteen, target, extra_steps, kwargs, where, sharded)
+        return (spec, plan_dict, steps, eval_every, sixteen, target, extra_steps, kwargs, where, sharded, runs)
 
     out = run_ranks(_validate_rank, nproc, args, rate=rate, timeout=timeout)[0]
     arms: list[ValidationCurve] = out["arms"]
@@ -373,6 +440,6 @@ def validate_workload(spec: str, plan=None, *, nproc: int = 2, rate: str | None 
         model=spec, where=out["where"], world_size=nproc, steps=steps, metric=metric, higher_is_better=higher,
         target=goal, target_source=source, plan=out["plan"], description=out["description"], arms=arms,
         time_to_target_s=tta, speedup=speedup, advice=out["advice"], autotune=out.get("autotune"),
-        repeats=out.get("repeats", []))
+        repeats=out.get("repeats", []), runs=out.get("runs", []))
 
 
