@@ -167,7 +167,7 @@ class ValidationReport(VersionedDocument):
         if len(gaps) < 2:
             return None
         mean = statistics.fmean(gaps)
-        half = stats.t.ppf((1 + confidence) / 2, len(gaps) - 1) * statistics.stdev(gaps) / math.sqrt(len(gaps))
+        half = float(stats.t.ppf((1 + confidence) / 2, len(gaps) - 1)) * statistics.stdev(gaps) / math.sqrt(len(gaps))
         return mean, mean - half, mean + half
 
     def time_to_target_speedup(self, label: str) -> float | None:
