@@ -29,7 +29,7 @@ digits, real images).  Data forms: ``list8`` (8 batches a rank, as a list) and `
 
 Usage: python benchmarks/time_to_accuracy.py [--tasks text,rnn,tlm,conv] [--rates 100mbit,1gbit]
 [--optimizers sgd,adamw] [--data list8,loader] [--steps N] [--repeats 3] [--expected-steps 30000] [--runs 1]
-[--out rows.json]
+[--timeout 3000] [--out rows.json]
 """
 
 from __future__ import annotations
@@ -147,10 +147,11 @@ def _agree(results: list[dict]) -> bool:
 
 
 def row(task: str, rate: str | None, optimizer: str, data: str, steps: int, repeats: int,
-        expected_steps: int, runs: int = 1) -> dict:
+        expected_steps: int, runs: int = 1, timeout: float = 3000.0) -> dict:
     spec = f"benchmarks.time_to_accuracy:{task}_{optimizer}"
     t0 = time.perf_counter()
     report = validate_workload(spec, None, rate=rate, steps=steps, eval_every=max(1, steps // 20), runs=runs,
+                               timeout=timeout,
                                autotune_kwargs={"data": DATA[data], "repeats": repeats,
                                                 "expected_steps": expected_steps})
     sixteen, plan = report.arm("16-bit"), report.arm("plan")
@@ -271,6 +272,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--expected-steps", type=int, default=30_000)
     parser.add_argument("--runs", type=int, default=1)
+    # a row's job is stopped after this long: the LSTM at 100 Mbit/s runs past the default
+    parser.add_argument("--timeout", type=float, default=3000.0, help="seconds a row's job may take")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     rates = [r for r in args.rates.split(",") if r]
@@ -283,7 +286,7 @@ def main(argv=None) -> int:
             for optimizer in args.optimizers.split(","):
                 for data in args.data.split(","):
                     r = row(task, rate, optimizer, data, args.steps or STEPS[task], args.repeats,
-                            args.expected_steps, args.runs)
+                            args.expected_steps, args.runs, args.timeout)
                     show(r)
                     rows.append(r)
                     if args.out:
