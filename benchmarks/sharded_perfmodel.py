@@ -48,10 +48,13 @@ def _lm(dim: int, layers: int):
 
 def _plans(problem) -> dict[str, np.ndarray]:
     """The plans to predict and measure, as one config index per group."""
+    from advisor.compressors import parse
+
+    labels = {c: parse(c).label for c in CONFIGS}  # as the profile names them
     sizes = [g.numel for g in problem.profile.groups]
     mixed = problem.uniform("bf16").copy()
-    mixed[int(np.argmax(sizes))] = problem.configs.index("intquant(bits=8)")
-    plans = {f"{c} everywhere" if c != "none" else "fp32 (FSDP's own)": problem.uniform(c) for c in CONFIGS}
+    mixed[int(np.argmax(sizes))] = problem.configs.index(labels["intquant(bits=8)"])
+    plans = {f"{c} everywhere" if c != "none" else "fp32 (FSDP's own)": problem.uniform(labels[c]) for c in CONFIGS}
     plans["int8 on the largest group, bf16 elsewhere"] = mixed
     return plans
 
