@@ -104,16 +104,18 @@ class ShardedProfile(VersionedDocument):
 
 class _Recorder:
     """Stands in for a group's reduce-scatter: keeps a copy of the rows it is given, then runs the
-    comm that was there, so training goes on exactly as before."""
+    comm that was there, so training goes on exactly as before.  ``spent``: seconds its copies took."""
 
-    def __init__(self, inner, rows: list[torch.Tensor]) -> None:
-        self.inner, self.rows = inner, rows
+    def __init__(self, inner, rows: list[torch.Tensor], capture: RowCapture) -> None:
+        self.inner, self.rows, self.capture = inner, rows, capture
 
     def allocate(self, size, *, dtype, device):
         return self.inner.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        t0 = time.perf_counter()
         self.rows.append(input_tensor.detach().clone())
+        self.capture.spent_s += time.perf_counter() - t0
         return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op)
 
 
@@ -151,13 +153,13 @@ def profile_sharded(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, 
         capture.start()
         try:
             for i in range(steps + 1):
-                t0 = time.perf_counter()
+                t0, copied = time.perf_counter(), capture.spent_s
                 model.zero_grad(set_to_none=True)
                 loss_fn(model, batches[i % len(batches)]).backward()
                 if optimizer is not None:
                     optimizer.step()
                 if i:  # the first step allocates and warms up
-                    times.append(time.perf_counter() - t0)
+                    times.append(time.perf_counter() - t0 - (capture.spent_s - copied))
         finally:
             capture.stop()
     return capture.profile(labels, statistics.median(times), steps, repeats, group)
@@ -165,19 +167,26 @@ def profile_sharded(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, 
 
 class RowCapture:
     """Captures the rows FSDP hands each group's reduce-scatter during training steps (:meth:`start`
-    to :meth:`stop`; training runs exactly as without it), then profiles every config on them."""
+    to :meth:`stop`; training runs exactly as without it), then profiles every config on them.
+
+    The copies cost time a step without the capture does not spend (fresh buffers of the whole
+    reduce-scatter input, every step): ``spent_s`` adds up the seconds they took, so a step timed
+    under the capture is read as ``its time - the spent_s it added``.
+    """
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.found = sharded_groups(model)
         self.rows: list[list[torch.Tensor]] = [[] for _ in self.found]
         self._states = [module._get_fsdp_state()._fsdp_param_groups for _, module, _ in self.found]
         self._saved: list[list[Any]] = []
+        #: seconds the copies of the rows took, since the capture was made
+        self.spent_s = 0.0
 
     def start(self) -> None:
         self._saved = [[g._reduce_scatter_comm for g in groups] for groups in self._states]
         for groups, rows in zip(self._states, self.rows):
             for g in groups:
-                g._reduce_scatter_comm = _Recorder(g._reduce_scatter_comm, rows)
+                g._reduce_scatter_comm = _Recorder(g._reduce_scatter_comm, rows, self)
 
     def stop(self) -> None:
         for groups, comms in zip(self._states, self._saved):

@@ -194,7 +194,7 @@ class ShardedOnlineTuner:
         #: (step, plan digest, ArmResult) of every re-trial of the plan in use
         self.retrials: list = []
         self._capture = RowCapture(model)
-        self._starts: list[float] = []
+        self._starts: list[tuple[float, float]] = []  # (each observed step's start, the capture's copy seconds by then)
         self._race: Race | None = None
         self._timing: Race | None = None  # the race being run: the race of every arm, or a re-timing after it
         self._retimes: OnlineRetimes | None = None
@@ -327,12 +327,14 @@ class ShardedOnlineTuner:
     def _observe(self, now: float) -> None:
         if self.step == 0:
             self._capture.start()
-        self._starts.append(now)
+        self._starts.append((now, self._capture.spent_s))
         if len(self._starts) < self.observe_steps + 2:  # one warm-up step, then the observed ones
             return
         self._capture.stop()
         t0 = time.perf_counter()
-        times = [b - a for a, b in zip(self._starts[1:], self._starts[2:])]
+        # each step as it runs without the capture: less the seconds the capture's copies took
+        times = [(b - a) - (copied_b - copied_a)
+                 for (a, copied_a), (b, copied_b) in zip(self._starts[1:], self._starts[2:])]
         # every number in it is agreed across ranks (slowest times, summed errors): every rank holds the same
         self.profile = self._capture.profile(self.labels, statistics.median(times), self.observe_steps, self.repeats,
                                              self.group)
