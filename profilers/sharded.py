@@ -102,19 +102,43 @@ class ShardedProfile(VersionedDocument):
         return max(0.0, self.step_s - sum(g.seconds["none"] for g in self.groups))
 
 
+class _RowRing:
+    """The last ``keep`` copies of a group's rows, in order.
+
+    Why buffers made once and reused: a fresh copy every step, all kept, slowed the whole step
+    as the kept memory grew (docs/benchmarks.md, "Sharded training").  The buffers are made and
+    touched at the first call, in the step a capture leaves untimed; later copies land in warm memory.
+    """
+
+    def __init__(self, keep: int) -> None:
+        self.keep, self.buffers, self.count = keep, [], 0
+
+    def add(self, rows: torch.Tensor) -> None:
+        if not self.buffers or self.buffers[0].shape != rows.shape or self.buffers[0].dtype != rows.dtype:
+            self.buffers, self.count = [torch.zeros_like(rows) for _ in range(self.keep)], 0
+        with torch.no_grad():
+            self.buffers[self.count % self.keep].copy_(rows)
+        self.count += 1
+
+    def last(self) -> list[torch.Tensor]:
+        """The copies kept, oldest first."""
+        n = min(self.count, self.keep)
+        return [self.buffers[(self.count - n + i) % self.keep] for i in range(n)]
+
+
 class _Recorder:
     """Stands in for a group's reduce-scatter: keeps a copy of the rows it is given, then runs the
-    comm that was there, so training goes on exactly as before.  ``spent``: seconds its copies took."""
+    comm that was there, so training goes on exactly as before."""
 
-    def __init__(self, inner, rows: list[torch.Tensor], capture: RowCapture) -> None:
-        self.inner, self.rows, self.capture = inner, rows, capture
+    def __init__(self, inner, ring: _RowRing, capture: RowCapture) -> None:
+        self.inner, self.ring, self.capture = inner, ring, capture
 
     def allocate(self, size, *, dtype, device):
         return self.inner.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
         t0 = time.perf_counter()
-        self.rows.append(input_tensor.detach().clone())
+        self.ring.add(input_tensor)
         self.capture.spent_s += time.perf_counter() - t0
         return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op)
 
@@ -147,7 +171,7 @@ def profile_sharded(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, 
     batches = list(batches)
     if not batches:
         raise ValueError("profiling the sharded model needs at least one batch")
-    capture = RowCapture(model)
+    capture = RowCapture(model, keep=steps)
     times = []
     with StateGuard(model, optimizer):
         capture.start()
@@ -169,14 +193,15 @@ class RowCapture:
     """Captures the rows FSDP hands each group's reduce-scatter during training steps (:meth:`start`
     to :meth:`stop`; training runs exactly as without it), then profiles every config on them.
 
-    The copies cost time a step without the capture does not spend (fresh buffers of the whole
-    reduce-scatter input, every step): ``spent_s`` adds up the seconds they took, so a step timed
-    under the capture is read as ``its time - the spent_s it added``.
+    It keeps the last ``keep`` steps' rows of each group.  Its copies cost time a step without the
+    capture does not spend: ``spent_s`` adds up the seconds they took, so a step timed under the
+    capture is read as ``its time - the spent_s it added``.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, keep: int) -> None:
+        check_int("keep", keep, 1)
         self.found = sharded_groups(model)
-        self.rows: list[list[torch.Tensor]] = [[] for _ in self.found]
+        self._rings = [_RowRing(keep) for _ in self.found]
         self._states = [module._get_fsdp_state()._fsdp_param_groups for _, module, _ in self.found]
         self._saved: list[list[Any]] = []
         #: seconds the copies of the rows took, since the capture was made
@@ -184,14 +209,19 @@ class RowCapture:
 
     def start(self) -> None:
         self._saved = [[g._reduce_scatter_comm for g in groups] for groups in self._states]
-        for groups, rows in zip(self._states, self.rows):
+        for groups, ring in zip(self._states, self._rings):
             for g in groups:
-                g._reduce_scatter_comm = _Recorder(g._reduce_scatter_comm, rows, self)
+                g._reduce_scatter_comm = _Recorder(g._reduce_scatter_comm, ring, self)
 
     def stop(self) -> None:
         for groups, comms in zip(self._states, self._saved):
             for g, comm in zip(groups, comms):
                 g._reduce_scatter_comm = comm
+
+    @property
+    def rows(self) -> list[list[torch.Tensor]]:
+        """Per group, the rows of the last ``keep`` reduce-scatters captured, oldest first."""
+        return [ring.last() for ring in self._rings]
 
     def profile(self, labels: Sequence[str], step_s: float, steps: int, repeats: int, group=None) -> ShardedProfile:
         """Each config's reduce-scatter on the last ``steps`` captured steps' rows (``step_s``: this
@@ -201,13 +231,13 @@ class RowCapture:
             empty = [name or "(root)" for (name, _, _), rows in zip(self.found, self.rows) if not rows]
             raise ValueError(f"group(s) {empty} reduced no gradients in the captured steps: do their parameters "
                              "take part in the loss?")
-        profiles = []
-        for (name, module, params), rows, comms in zip(self.found, self.rows, self._saved):
+        profiles, captured = [], self.rows
+        for (name, module, params), rows, comms in zip(self.found, captured, self._saved):
             seconds, error = _measure_group(rows[-steps:], comms[0], labels, repeats, pg, name or "(root)",
                                             group_layout(module, name))
             profiles.append(ShardedGroupProfile(name or "(root)", list(params), group_numel(module), seconds, error))
         return ShardedProfile(world_size(group), slowest([step_s], group)[0], profiles, list(labels),
-                              device=str(self.rows[0][0].device), steps=steps)
+                              device=str(captured[0][0].device), steps=steps)
 
 
 def _measure_group(rows: list[torch.Tensor], native, labels: Sequence[str], repeats: int, pg, name: str,

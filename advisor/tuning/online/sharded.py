@@ -193,7 +193,7 @@ class ShardedOnlineTuner:
         self._left: set[str] = set()
         #: (step, plan digest, ArmResult) of every re-trial of the plan in use
         self.retrials: list = []
-        self._capture = RowCapture(model)
+        self._capture = RowCapture(model, keep=observe_steps)
         self._starts: list[tuple[float, float]] = []  # (each observed step's start, the capture's copy seconds by then)
         self._race: Race | None = None
         self._timing: Race | None = None  # the race being run: the race of every arm, or a re-timing after it
