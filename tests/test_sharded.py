@@ -136,3 +136,21 @@ def test_powersgd_residuals_travel_in_a_distributed_checkpoint_and_resuming_cont
             torch.testing.assert_close(r["resumed"][n], value, rtol=0, atol=0)
         # without the residuals the run goes elsewhere: they carry what compression left out
         assert any(not torch.equal(r["resumed without residuals"][n], v) for n, v in r["straight"].items())
+
+
+def test_the_row_capture_keeps_the_last_steps_rows_in_order_in_buffers_it_reuses():
+    from profilers.sharded import _RowRing
+
+    ring = _RowRing(keep=2)
+    assert ring.last() == []
+    rows = [torch.full((2, 3), float(i)) for i in range(5)]
+    ring.add(rows[0])
+    made = [b.data_ptr() for b in ring.buffers]  # both made at the first call
+    for r in rows[1:]:
+        ring.add(r)
+    assert [float(t[0, 0]) for t in ring.last()] == [3.0, 4.0]  # the last two, oldest first
+    assert [b.data_ptr() for b in ring.buffers] == made  # copied into, not made again
+    rows[4].fill_(-1.0)
+    assert float(ring.last()[-1][0, 0]) == 4.0  # copies, not views of FSDP's buffer
+    ring.add(torch.zeros(3, 3))  # another size (a changed model): made again
+    assert [t.shape for t in ring.last()] == [torch.Size([3, 3])]
