@@ -283,7 +283,11 @@ class ShardedOnlineTuner:
         Call once per training step on every rank, after the forward pass.
         """
         value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
-        self.losses.append((self.step - 1, value, self._hook.plan is not None and is_lossy(self._hook.plan)))
+        self.losses.append((self.step - 1, value, self._running_lossy()))
+
+    def _running_lossy(self) -> bool:
+        """Whether the plan running now (a race's arm included; None: FSDP's own path) is lossy."""
+        return self._hook.plan is not None and is_lossy(self._hook.plan)
 
     def update_starts(self) -> None:
         """Accepted as :class:`advisor.tuning.online.OnlineTuner` accepts it; steps are timed whole here."""
@@ -437,7 +441,7 @@ class ShardedOnlineTuner:
     def _check_loss(self) -> None:
         """Every ``watch_every`` steps: two windows in a row of the loop's loss above the uncompressed steps'
         trend back the plan off on every rank."""
-        said = self._loss_watch.check(self.step, self._hook.plan is not None and is_lossy(self._hook.plan))
+        said = self._loss_watch.check(self.step, self._running_lossy())
         if said:
             self._note("loss-watch", said)
             self._back_off("the loss fell behind its trend")
