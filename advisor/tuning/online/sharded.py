@@ -55,7 +55,6 @@ on speed must pass the paired accuracy trial on shadows from ``build()``
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 import time
@@ -85,8 +84,8 @@ from advisor.tuning.online.watch import (
     first_retrial_in,
     harm_shown,
     is_lossy,
-    judge_retimed_proof,
     settle_proof,
+    settle_retimed_proof,
 )
 from advisor.tuning.sharded import (
     NATIVE,
@@ -426,16 +425,11 @@ class ShardedOnlineTuner:
     def _proof_retimed(self, proof: PendingProof, arm) -> None:
         """Install the plan proven online where its re-timed time to accuracy beats the baseline's at the
         95% bound; else go back to the decided baseline.  Either way, watch again."""
-        step = self._retimes.retime(proof.decision, arm)
-        tta, said = judge_retimed_proof(proof, arm, step)
-        if tta.lower() > 1:
-            self.decision = dataclasses.replace(
-                proof.decision, retimed=step, tta=tta,
-                reason=f"{proof.description}: proven online within the tolerance; {said}")
-            self.plan = proof.plan
-            self._note("proof", f"{said}: proven online, installed")
-        else:
-            self._note("proof", f"{said}: not shown faster, not installed; {self.decision.chosen} stands")
+        installed, said = settle_retimed_proof(proof, arm, self._retimes.retime(proof.decision, arm),
+                                               self.decision.chosen)
+        self._note("proof", said)
+        if installed is not None:
+            self.decision, self.plan = installed, proof.plan
         self._install_decided()
 
     def _check_loss(self) -> None:

@@ -73,7 +73,6 @@ watches the given plan: the way to keep checking a plan chosen offline.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import time
@@ -96,7 +95,7 @@ from advisor.tuning.online.watch import (
     check_retrial_share,
     first_retrial_in,
     is_lossy,
-    judge_retimed_proof,
+    settle_retimed_proof,
 )
 from advisor.tuning.steps import (
     DEFAULT_CANDIDATES,
@@ -435,16 +434,13 @@ class OnlineTuner:
     def _proof_retimed(self, proof: PendingProof, arm) -> None:
         """Install the plan proven online where its re-timed time to accuracy beats the baseline's at
         the 95% bound; else go back to the baseline.  Either way, watch again."""
-        step = self._retimes.retime(proof.decision, arm)
-        tta, said = judge_retimed_proof(proof, arm, step)
-        if tta.lower() > 1:
-            self.decision = dataclasses.replace(
-                proof.decision, retimed=step, tta=tta,
-                reason=f"{proof.description}: proven online within the tolerance; {said}")
-            self._note("proof", f"{said}: proven online, installed")
+        installed, said = settle_retimed_proof(proof, arm, self._retimes.retime(proof.decision, arm),
+                                               self.decision.chosen)
+        self._note("proof", said)
+        if installed is not None:
+            self.decision = installed
             self.hook.set_plan(proof.plan, reason=f"proven online: {proof.description}")
         else:
-            self._note("proof", f"{said}: not shown faster, not installed; {self.decision.chosen} stands")
             self.hook.set_plan(self._race.arms[self.decision.chosen].plan,
                                reason=f"online decision: {self.decision.chosen}")
         self._phase = self._watch(first_in=1)

@@ -127,13 +127,18 @@ def settle_proof(proof: PendingProof, arm, can_retime: bool) -> tuple[str, str]:
                      f"{proof.step_speedup.describe()} x step efficiency, 95% bounds): proven online, installed")
 
 
-def judge_retimed_proof(proof: PendingProof, arm, step: Estimate) -> tuple[Estimate, str]:
+def settle_retimed_proof(proof: PendingProof, arm, step: Estimate, standing: str) -> tuple[Decision | None, str]:
     """A plan proven online and timed again (``step``: its re-timed step speed-up over the baseline):
-    its time to accuracy, and what to say of it; install it only where that beats the baseline
-    at the 95% bound (``lower() > 1``)."""
+    the decision to install it, where its time to accuracy beats the baseline at the 95% bound
+    (else None: ``standing``, the decision in use, stays), and the event's text."""
     tta = time_to_accuracy(step, arm.efficiency_estimate())
-    return tta, (f"time to accuracy {tta.describe()} vs {proof.baseline} (re-timed step speed-up {step.describe()} x "
-                 f"step efficiency, 95% bounds; the race's {proof.step_speedup.describe()})")
+    said = (f"time to accuracy {tta.describe()} vs {proof.baseline} (re-timed step speed-up {step.describe()} x "
+            f"step efficiency, 95% bounds; the race's {proof.step_speedup.describe()})")
+    if not tta.lower() > 1:
+        return None, f"{said}: not shown faster, not installed; {standing} stands"
+    return dataclasses.replace(proof.decision, retimed=step, tta=tta,
+                               reason=f"{proof.description}: proven online within the tolerance; {said}"), \
+        f"{said}: proven online, installed"
 
 
 def check_retrial_share(retrial_share) -> None:
