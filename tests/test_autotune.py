@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 from autotune_programs import PROVING, shadow_buckets, tune_and_train
+from events import proven_online
 
 import advisor
 from advisor.testbed.emulated import EmulatedCluster, unavailable_reason
@@ -259,24 +260,9 @@ def test_wrap_goes_on_proving_online_a_plan_its_first_trial_was_too_short_for_an
     # the same events at the same steps on both ranks (their texts may differ in this rank's own timings)
     assert [e[:2] for e in out[0]["events"]] == [e[:2] for e in out[1]["events"]]
     assert out[0]["digest"] == out[1]["digest"]
-    events = out[0]["events"]
-    decided = next(d for _, w, d in events if w == "decided")
-    assert "qsgd(bits=8) everywhere: not proven" in decided and "a compressed plan is proven only after 40 steps" in decided
-    unproven = next(d for _, w, d in events if w == "unproven")
-    assert "won the race" in unproven and "the trial goes on online" in unproven
-    at = int(unproven.split("from the weights at step ")[1].split(",")[0])
-    proofs = [(step, d) for step, w, d in events if w == "proof"]
-    assert proofs and proofs[0][0] == at, events
-    # near-lossless 8-bit quantisation on a steadily learning task: the longer trial proves it ...
-    assert "within the tolerance" in proofs[0][1] and "timed again beside fp32" in proofs[0][1], proofs
-    # ... then it races fp32 alone on the next steps, and is installed on that figure, not the race's
-    whats = [w for _, w, _ in events]
-    assert whats.index("decided") < whats.index("re-timing") < whats.index("re-timed"), events
-    (retimed,) = out[0]["retimed"]
-    assert retimed["label"].startswith("qsgd(bits=8)") and retimed["baseline"] == "fp32"
-    last = proofs[-1][1]
-    assert len(proofs) == 2 and proofs[1][0] > proofs[0][0] and "re-timed step speed-up" in last, proofs
-    assert f"{retimed['speedup']:.2f}x" in last and "proven online, installed" in last, last
+    decided, proofs, retimed = proven_online(out[0]["events"], out[0]["retimed"], "qsgd(bits=8)")
+    assert "a compressed plan is proven only after 40 steps" in decided
+    assert "timed again beside fp32" in proofs[0][1] and retimed["baseline"] == "fp32", proofs
     assert Plan.from_dict(out[0]["plan"]).config_for("weight").label == "qsgd(bits=8)"
     assert out[0]["history"][-1] == "proven online: qsgd(bits=8) everywhere"
     assert out[0]["step_speedup"] == pytest.approx(retimed["speedup"]) and out[0]["tta"] <= retimed["speedup"] + 1e-9

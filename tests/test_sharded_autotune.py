@@ -3,6 +3,7 @@
 import pytest
 import sharded_programs as sp
 import torch
+from events import proven_online
 
 from advisor.runtime import Plan
 from advisor.runtime.sharded import EXACT_FP32
@@ -186,24 +187,7 @@ def test_wrap_sharded_goes_on_proving_online_a_plan_its_first_trial_was_too_shor
         proving_runs):
     a, b = proving_runs["sharded, too short"]
     assert [e[:2] for e in a["events"]] == [e[:2] for e in b["events"]] and a["plan"] == b["plan"]
-    events = a["events"]
-    decided = next(d for _, w, d in events if w == "decided")
-    assert "intquant(bits=8, packed=1) everywhere: not proven" in decided, decided
-    unproven = next(d for _, w, d in events if w == "unproven")
-    assert "won the race" in unproven and "the trial goes on online" in unproven, unproven
-    at = int(unproven.split("from the weights at step ")[1].split(",")[0])
-    proofs = [(step, d) for step, w, d in events if w == "proof"]
-    assert proofs and proofs[0][0] == at, events
-    # 8-bit quantisation of a steadily learning regression: the longer trial proves it ...
-    assert "within the tolerance" in proofs[0][1] and "timed again beside" in proofs[0][1], proofs
-    # ... then it races the baseline alone on the loop's next steps, and is installed on that figure
-    whats = [w for _, w, _ in events]
-    assert whats.index("decided") < whats.index("re-timing") < whats.index("re-timed"), events
-    (retimed,) = a["retimed"]
-    assert retimed["label"].startswith("intquant(bits=8")
-    last = proofs[-1][1]
-    assert len(proofs) == 2 and proofs[1][0] > proofs[0][0] and "re-timed step speed-up" in last, proofs
-    assert f"{retimed['speedup']:.2f}x" in last and "proven online, installed" in last, last
+    _, _, retimed = proven_online(a["events"], a["retimed"], "intquant(bits=8, packed=1)")
     assert Plan.from_dict(a["plan"]).config_for("linear.weight").name == "intquant"
     assert a["comms"] == ["IntReduceScatter"] and a["phase"] == "decided"
     assert a["step_speedup"] == pytest.approx(retimed["speedup"]) and a["tta"] <= retimed["speedup"] + 1e-9
