@@ -12,7 +12,8 @@ may be imported; the checks that need a GPU then say SKIP with the reason.  The 
    the same weights and a loss near DDP's): fp32, static_graph, find_unused_parameters,
    bf16 and fp16 weights, bf16 autocast, fp16 autocast with a GradScaler that overflows at
    first, SyncBatchNorm, no_sync, torch.compile of the DDP model (inductor);
-4. world size 1 on NCCL: plan ``none`` bitwise DDP and a mixed plan that trains;
+4. world size 1 on NCCL: plan ``none`` bitwise DDP and a mixed plan that trains; each sharded
+   (FSDP2) reduce-scatter zeroes a NaN and an Inf without reading anything on the host;
 5. every compressor's encode + decode on the device against a device memory copy of the
    same 16M-element bucket;
 6. ``autotune`` of a bundled model, 2 ranks sharing the device (advice, speed-ups, seconds).
@@ -177,6 +178,60 @@ def check_nccl(device: str) -> bool:
                                         f"{v['ddp_losses'][-1]:.3f}" for k, v in r.items()))
 
 
+#: the sharded reduce-scatters the device check calls, by the plan's name for them
+SHARDED_COMMS = ("none", "bf16", "fp16", "intquant(bits=8)", "intquant(bits=4)")
+
+
+def check_sharded(device: str) -> bool:
+    """Each sharded group's reduce-scatter (FSDP2's custom comm), world size 1 on NCCL (gloo in a
+    dry run): a NaN and an Inf in its input are zeroed and counted, the output is the input's
+    row within the wire's rounding, and on a GPU the call reads nothing on the host
+    (``torch.cuda.set_sync_debug_mode("error")`` makes any host read an error)."""
+    from advisor.runtime.sharded import ExactReduceScatter, IntReduceScatter
+
+    gpu = device.startswith("cuda")
+    backend = "nccl" if gpu else "gloo"
+    name = f"sharded comms, world size 1 on {backend}"
+    kwargs = {"device_id": torch.device(device)} if gpu else {}
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, **kwargs)
+    ok, done = True, []
+    try:
+        for label in SHARDED_COMMS:
+            config = parse(label)
+            if config.name == "intquant":
+                bits = config.params["bits"]
+                comm, bound = IntReduceScatter(name=label, bits=bits), 1 / ((1 << (bits - 1)) - 1)
+            else:
+                wire = {"none": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[label]
+                comm = ExactReduceScatter(wire, name=label)
+                bound = {"none": 1e-7, "bf16": 2 ** -8, "fp16": 2 ** -11}[label]
+            rows = torch.randn(1, 1 << 20, device=device)
+            rows[0, 5], rows[0, 77] = float("nan"), float("inf")
+            expected = torch.nan_to_num(rows, nan=0.0, posinf=0.0, neginf=0.0)
+            out = torch.empty(1 << 20, device=device)
+            if gpu:
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                comm(out, rows.view(-1), None, dist.ReduceOp.SUM)
+            finally:
+                if gpu:
+                    torch.cuda.set_sync_debug_mode("default")
+            events = comm.nonfinite_events  # reads the device's count: after the call, on purpose
+            error = float((out - expected).abs().max() / expected.abs().max())
+            if events != 1 or not torch.isfinite(out).all() or error > 2 * bound:
+                ok &= line("FAIL", f"{name}, {label}", f"non-finite events {events} (expected 1), "
+                           f"finite {bool(torch.isfinite(out).all())}, largest error {error:.2e} of the "
+                           f"largest value (bound {2 * bound:.1e})")
+                continue
+            done.append(f"{label} {error:.1e}")
+    finally:
+        dist.destroy_process_group()
+    how = "no host reads inside a call (sync debug mode error)" if gpu else "host reads not checked on a CPU"
+    return ok & line("PASS" if ok else "FAIL", name, f"NaN and Inf zeroed and counted once; largest error "
+                     f"of the largest value: {', '.join(done)}; {how}")
+
+
 def check_compressors(device: str, repeats: int) -> bool:
     x = torch.randn(BUCKET.numel, device=device)
     y = torch.empty_like(x)
@@ -235,7 +290,7 @@ def check_autotune(device: str, models: list[str]) -> bool:
     return ok
 
 
-CHECKS = ("device", "imports", "matrix", "nccl", "compressors", "autotune")
+CHECKS = ("device", "imports", "matrix", "nccl", "sharded", "compressors", "autotune")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,11 +314,12 @@ def main(argv: list[str] | None = None) -> int:
             "imports": check_imports,
             "matrix": lambda: check_matrix(args.device, [w for w in args.cases.split(",") if w]),
             "nccl": lambda: check_nccl(args.device),
+            "sharded": lambda: check_sharded(args.device),
             "compressors": lambda: check_compressors(args.device, args.repeats),
             "autotune": lambda: check_autotune(args.device, [m for m in args.models.split(",") if m]),
         }
         #: the least time each check is given to run, to skip rather than be cut off
-        needs = {"imports": 5, "matrix": 60, "nccl": 10, "compressors": 10, "autotune": 60}
+        needs = {"imports": 5, "matrix": 60, "nccl": 10, "sharded": 10, "compressors": 10, "autotune": 60}
         for name, step in steps.items():
             if name not in only:
                 continue

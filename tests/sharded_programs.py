@@ -40,16 +40,17 @@ def _local(tensor) -> torch.Tensor:
     return tensor.to_local().detach().clone() if hasattr(tensor, "to_local") else tensor.detach().clone()
 
 
-def train_sharded(rank: int, world_size: int, plan_dict, steps: int, comm: str | None = None):
+def train_sharded(rank: int, world_size: int, plan_dict, steps: int, comm: str | None = None,
+                  poison_step: int | None = None):
     """FSDP2 training under a plan (None: FSDP's own path; ``comm="exact"``: the all-to-all fp32
     reduce-scatter on every group); this rank's gradient shards after the first step, and its
-    parameter shards and losses at the end."""
+    parameter shards and losses at the end.  ``poison_step``: at that step rank 1's batch holds a
+    NaN, so every gradient it computes is NaN; ``nonfinite`` then counts the events per group."""
     from advisor.runtime import Plan
     from advisor.runtime.sharded import ExactReduceScatter, install_sharded, sharded_groups
 
     model = _sharded()
-    if plan_dict is not None:
-        install_sharded(model, Plan.from_dict(plan_dict))
+    groups = install_sharded(model, Plan.from_dict(plan_dict)) if plan_dict is not None else []
     if comm == "exact":
         for _, module, _ in sharded_groups(model):
             module.set_custom_reduce_scatter(ExactReduceScatter())
@@ -57,6 +58,8 @@ def train_sharded(rank: int, world_size: int, plan_dict, steps: int, comm: str |
     losses, first_grads = [], None
     for step in range(steps):
         x, y = _batch(rank, step)
+        if step == poison_step and rank == 1:
+            x[0, 0] = float("nan")
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
@@ -66,7 +69,7 @@ def train_sharded(rank: int, world_size: int, plan_dict, steps: int, comm: str |
         losses.append(loss.item())
     full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}  # all-gathered on every rank
     return {"grads": first_grads, "params": {n: _local(p) for n, p in model.named_parameters()}, "losses": losses,
-            "full": full}
+            "full": full, "nonfinite": {g.module: g.comm.nonfinite_events for g in groups if g.comm is not None}}
 
 
 def full_batch_reference(rank: int, world_size: int, ranks: int):

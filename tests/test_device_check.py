@@ -52,6 +52,7 @@ def test_the_dry_run_passes_every_check_that_needs_no_gpu_and_skips_the_rest(tmp
     assert report["passed"] and report["device"] == "cpu"
     assert status["imports"] == "PASS" and status["autotune digits"] == "PASS"
     assert status["NCCL, world size 1"] == "SKIP" and status["matrix, SyncBatchNorm"] == "SKIP"
+    assert status["sharded comms, world size 1 on gloo"] == "PASS"
     assert [c for c, s in status.items() if s == "PASS" and c.startswith("matrix, ")] == [
         "matrix, fp32", "matrix, fp16 autocast + GradScaler (overflows at first)", "matrix, torch.compile(ddp), inductor"]
     assert not [c for c, s in status.items() if s == "FAIL"]

@@ -23,6 +23,10 @@ def runs():
             | {f"blocks.1.{i}.{w}": "fp16" for i in (0, 2) for w in ("weight", "bias")}
             | {f"blocks.2.{i}.{w}": "intquant(bits=4)" for i in (0, 2) for w in ("weight", "bias")},
             default="bf16", warmup_steps=0).to_dict(), 6), timeout=180),
+        "poisoned": launch_local(sp.train_sharded, 2, (Plan.from_assignments(
+            {f"blocks.0.{i}.{w}": "intquant(bits=8)" for i in (0, 2) for w in ("weight", "bias")}
+            | {f"blocks.1.{i}.{w}": "powersgd(rank=4)" for i in (0, 2) for w in ("weight", "bias")},
+            default="bf16", warmup_steps=0).to_dict(), 4, None, 1), timeout=180),
         "reference": launch_local(sp.full_batch_reference, 1, (2,), timeout=120)[0],
     }
     return out
@@ -75,6 +79,39 @@ def test_after_a_mixed_plan_every_rank_ends_with_identical_parameters_near_fsdps
             assert error < bound, (name, error)
             if name.startswith("blocks.2."):
                 assert error > 0.01, (name, error)  # 4-bit codes do lose more than the casts
+
+
+def test_a_nan_gradient_on_one_rank_is_zeroed_counted_and_training_goes_on_identically(runs):
+    # rank 1's batch holds a NaN at step 1: each compressed group drops that rank's rows that step
+    healthy, poisoned = runs["poisoned"]
+    assert healthy["nonfinite"] == {"blocks.0": 0, "blocks.1": 0, "blocks.2": 0, "": 0}
+    assert poisoned["nonfinite"] == {"blocks.0": 1, "blocks.1": 1, "blocks.2": 1, "": 1}
+    assert not torch.isfinite(torch.tensor(poisoned["losses"][1]))
+    assert torch.isfinite(torch.tensor(poisoned["losses"][2:] + healthy["losses"])).all()
+    for name in healthy["full"]:
+        assert torch.isfinite(healthy["full"][name]).all(), name
+        assert torch.equal(healthy["full"][name], poisoned["full"][name]), name
+
+
+def test_on_a_device_the_zeroing_reads_no_flag_and_counts_until_asked(caplog):
+    # the accelerator's form, run on CPU tensors: the count is a tensor until it is read
+    from advisor.runtime.sharded import ExactReduceScatter
+
+    comm = ExactReduceScatter(name="blocks.0")
+    clean = torch.ones(2, 8)
+    comm._zero_nonfinite_on_device(clean)
+    assert torch.equal(clean, torch.ones(2, 8))
+    for bad in (float("nan"), float("inf")):
+        rows = torch.ones(2, 8)
+        rows[1, 3] = bad
+        comm._zero_nonfinite_on_device(rows)
+        assert rows[1, 3] == 0 and rows.sum() == 15
+    assert isinstance(comm._device_events, torch.Tensor)
+    with caplog.at_level("WARNING", logger="advisor.runtime"):
+        assert comm.nonfinite_events == 2
+        assert comm.nonfinite_events == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "non-finite gradient values in sharded group blocks.0 on 2 more step(s): zeroed before the exchange"]
 
 
 REFUSALS = {

@@ -23,7 +23,9 @@ Plan ``none`` on a group installs nothing there: FSDP's own path runs untouched,
 plan's metadata asks for the exact all-to-all instead (``{EXACT_FP32: "all-to-all"}``: where it
 measured faster than gloo's own, autotune advises it so).  Non-finite
 gradient values are zeroed before encoding (a quantiser's block scale would carry them to every
-value of the block), counted, and logged; training state is never lost.
+value of the block), counted, and logged; training state is never lost.  On an accelerator the
+zeroing reads no flag on the host (that would stall the device every group and step): the count
+stays on the device until ``nonfinite_events`` is read.
 """
 
 from __future__ import annotations
@@ -84,7 +86,8 @@ class ExactReduceScatter(_reduce_scatter_base()):
     def __init__(self, wire_dtype: torch.dtype = torch.float32, name: str = "") -> None:
         self.wire_dtype = wire_dtype
         self.name = name
-        self.nonfinite_events = 0
+        self._host_events, self._reported = 0, 0
+        self._device_events: torch.Tensor | None = None
         #: what watches the exchange (:class:`advisor.runtime.sharded_monitor.ShardedFidelityMonitor`):
         #: ``local(comm, rows)`` before it, ``delivered(comm, output, avg)`` after
         self.watchers: list = []
@@ -121,12 +124,43 @@ class ExactReduceScatter(_reduce_scatter_base()):
         dist.all_to_all_single(received, send, group=group)
         return received
 
+    @property
+    def nonfinite_events(self) -> int:
+        """Steps whose rows held a non-finite value on this rank (zeroed before the exchange).
+
+        On an accelerator the count is kept on the device and read here, so reading it waits
+        for the device; a rise since the last read is logged then."""
+        if self._device_events is not None:
+            seen = self._host_events + int(self._device_events.item())
+            if seen > self._reported:
+                log.warning("non-finite gradient values in sharded group %s on %d more step(s): zeroed "
+                            "before the exchange", self.name or "?", seen - self._reported)
+            self._reported = seen
+            return seen
+        return self._host_events
+
     def _zero_nonfinite(self, rows: torch.Tensor) -> None:
+        if rows.device.type != "cpu":
+            self._zero_nonfinite_on_device(rows)
+            return
+        # on a CPU the flag costs nothing to read: zero only where needed, and say so at once
         if not is_finite(rows):
-            self.nonfinite_events += 1
+            self._host_events += 1
+            self._reported += 1
             log.warning("non-finite gradient values in sharded group %s: zeroed before the exchange",
                         self.name or "?")
             torch.nan_to_num_(rows, nan=0.0, posinf=0.0, neginf=0.0)
+
+    def _zero_nonfinite_on_device(self, rows: torch.Tensor) -> None:
+        """Zero without reading a flag on the host: a read would make the host wait for the device
+        at every group and step, so the device never runs ahead of backward's launches.  The
+        zeroing pass runs every step instead, and the count stays on the device until asked."""
+        bad = torch.isfinite(rows).logical_not_().any()
+        if self._device_events is None:
+            self._device_events = bad.to(torch.int64)
+        else:
+            self._device_events.add_(bad)
+        torch.nan_to_num_(rows, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 class IntReduceScatter(ExactReduceScatter):
