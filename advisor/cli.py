@@ -356,7 +356,7 @@ def report_cmd(path, profile_path, png, as_json) -> None:
 @click.option("--nproc", default=2, show_default=True)
 @click.option("--runs", default=1, show_default=True,
               help="Repeat the comparison in this many batch orders: the plan's gap behind fp32 then comes with a "
-                   "95%% interval, and its speed-up with its range.")
+                   "95% interval, and its speed-up with its range.")
 @click.option("--sharded", is_flag=True, help="Shard every arm with the workload's shard= (FSDP2) and put the plan on "
                                              "its fully_shard groups' reduce-scatters.")
 @click.option("--png", default=None, help="Write the curves (against steps and wall time) here.")
