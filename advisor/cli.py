@@ -359,21 +359,18 @@ def report_cmd(path, profile_path, png, as_json) -> None:
                    "95% interval, and its speed-up with its range.")
 @click.option("--sharded", is_flag=True, help="Shard every arm with the workload's shard= (FSDP2) and put the plan on "
                                              "its fully_shard groups' reduce-scatters.")
+@click.option("--timeout", default=3000.0, show_default=True,
+              help="Seconds the whole job may take before its ranks are stopped (a long run on a slow link needs more).")
 @click.option("--png", default=None, help="Write the curves (against steps and wall time) here.")
 @click.option("--out", "out_path", default=None, help="Write the validation report JSON here.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def validate_cmd(spec, plan_path, rate, steps, eval_every, sixteen, target, nproc, runs, sharded, png, out_path,
-                 as_json) -> None:
+def validate_cmd(spec, plan_path, rate, steps, eval_every, sixteen, target, nproc, runs, sharded, timeout, png,
+                 out_path, as_json) -> None:
     """Time to accuracy: fp32, 16-bit and the plan from the same start and batches."""
-
-
-    status = Console(stderr=True)
     try:
-        with status.status(f"training fp32, {sixteen or '16-bit'} and the plan for {steps} steps each on {nproc} ranks"
-                           + (f", in {runs} batch orders" if runs > 1 else "")
-                           + ("" if plan_path else " (autotuning first)") + " ..."):
-            report = validate_workload(spec, plan_path, nproc=nproc, rate=rate, steps=steps, eval_every=eval_every,
-                                       sixteen=sixteen, target=target, sharded=sharded, runs=runs)
+        report = validate_workload(spec, plan_path, nproc=nproc, rate=rate, steps=steps, eval_every=eval_every,
+                                   sixteen=sixteen, target=target, sharded=sharded, runs=runs, timeout=timeout,
+                                   progress=True)
     except ValueError as exc:
         fail(str(exc))
     if out_path:

@@ -297,7 +297,7 @@ def test_report_of_a_plan_needs_a_profile_of_the_same_model(runner, tmp_path):
 
 
 @pytest.mark.slow
-def test_validate_trains_fp32_16bit_and_a_plan_on_digits(runner, tmp_path):
+def test_validate_trains_fp32_16bit_and_a_plan_on_digits(runner, tmp_path, capfd):
     from advisor.runtime import Plan
 
     plan = tmp_path / "plan.json"
@@ -305,13 +305,19 @@ def test_validate_trains_fp32_16bit_and_a_plan_on_digits(runner, tmp_path):
     result = runner.invoke(main, ["validate", "--plan", str(plan), "--steps", "30", "--eval-every", "10", "--json",
                                   "--png", str(tmp_path / "c.png")])
     assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
+    data = json.loads(result.stdout)  # the stages go to stderr
     assert [a["kind"] for a in data["arms"]] == ["fp32", "fp32 (other order)", "16-bit", "plan"]
     assert data["arms"][0]["steps"] == [0, 10, 20, 30]
     # the others train on until they reach fp32's final loss, up to twice the steps
     assert all(a["steps"][:4] == [0, 10, 20, 30] and a["steps"][-1] <= 60 for a in data["arms"])
     assert set(data["time_to_target_s"]) == {"fp32", "fp32 (other order)", "fp16", "plan"}
     assert (tmp_path / "c.png").exists()
+    # off a terminal, a line a stage: here the job's, then rank 0's as each arm ends (its own stderr)
+    assert "rank 0's stages" in result.stderr
+    stages = [line.split("s  ", 1)[1] for line in capfd.readouterr().err.splitlines() if "s  trained " in line]
+    assert [line.split(":")[0] for line in stages] == ["trained fp32", "trained fp32 (other order)",
+                                                       "trained fp16", "trained plan"]
+    assert stages[0].startswith("trained fp32: 30 steps, ") and "held-out loss" in stages[0]
     shown = runner.invoke(main, ["validate", "--plan", str(plan), "--steps", "10", "--eval-every", "5", "--runs", "3"])
     assert shown.exit_code == 0 and "Time-to-accuracy speed-up" in shown.output
     said = " ".join(shown.output.split())

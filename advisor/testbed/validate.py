@@ -29,6 +29,7 @@ import copy
 import math
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +47,7 @@ from advisor.runtime.plan import as_plan
 from advisor.testbed.emulated import parse_rate, run_ranks
 from advisor.testbed.workloads import build_workload, load_factory
 from advisor.tuning.accuracy import evaluate_on_every_rank, higher_is_better
-from advisor.tuning.autotune import autotune
+from advisor.tuning.autotune import StageLog, autotune
 from policies.problem import SIXTEEN_BIT as SIXTEEN_BIT_CASTS
 from profilers.training_state import preferred_sixteen_bit
 
@@ -251,8 +252,18 @@ def _reached(value: float, target: float, higher: bool) -> bool:
 
 def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, steps: int, eval_every: int,
                    sixteen: str | None, target: float | None, extra: float, autotune_kwargs: dict, where: str,
-                   sharded: bool = False, runs: int = 1):
+                   sharded: bool = False, runs: int = 1, progress: bool = False):
+    say = StageLog() if progress and rank == 0 else None
+
+    def train(*args, **kwargs) -> ValidationCurve:
+        curve = _train_arm(*args, **kwargs)
+        if say is not None:
+            say(f"trained {curve.label}: {curve.steps[-1]} steps, {curve.step_s * 1e3:.1f} ms a step, "
+                f"held-out {metric} {curve.final(metric):.4g} at step {curve.compared_at}")
+        return curve
+
     workload = build_workload(spec)
+    metric = workload.metric
     if sixteen is None:
         sixteen = preferred_sixteen_bit(workload.optimizer(copy.deepcopy(workload.model)))
     evaluate = workload.evaluator()
@@ -265,6 +276,8 @@ def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, ste
     advice, tuned_result, repeats = "", None, []
     if plan_dict is None:
         autotune_kwargs = dict(autotune_kwargs)
+        if say is not None:
+            autotune_kwargs.setdefault("progress", say)
         data, times = autotune_kwargs.pop("data", None), autotune_kwargs.pop("repeats", 1)
         for i in range(times):  # the same call from the same start: does the advice hold?
             if sharded:
@@ -288,22 +301,21 @@ def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, ste
     plan = Plan.from_dict(plan_dict)
     description = plan.metadata.get("description") or _describe(plan)
     native = plan.metadata.get("native") or _describe(plan) == "none everywhere"
-    arms = [_train_arm(workload, initial, None, mine, steps, eval_every, evaluate, workload.metric,
+    arms = [train(workload, initial, None, mine, steps, eval_every, evaluate, workload.metric,
                        FP32, FP32, "fp32 (native DDP)", sharded=sharded)]
     # the same run in another batch order: how far apart two equally good runs end (the noise
     # every final value is judged against)
     shuffled = random.Random(1).sample(mine, len(mine))
-    arms.append(_train_arm(workload, initial, None, shuffled, steps, eval_every, evaluate, workload.metric,
+    arms.append(train(workload, initial, None, shuffled, steps, eval_every, evaluate, workload.metric,
                            NOISE, NOISE, "fp32, batches in another order", sharded=sharded))
     fixed = target if target is not None else workload.target
-    metric = workload.metric
 
     def cast_and_plan(fp32: ValidationCurve, order: list, suffix: str = "") -> list[ValidationCurve]:
         """The 16-bit and plan arms in ``order``: they train on (up to ``extra`` times the steps) until
         they reach the target, ``fp32``'s final value unless one is fixed: their time to accuracy."""
         goal = fixed if fixed is not None else fp32.final(metric)
         until = {"until": (goal, higher_is_better(metric)), "max_steps": math.ceil(extra * steps)}
-        cast = _train_arm(workload, initial, Plan.uniform(sixteen, warmup_steps=0), order, steps, eval_every,
+        cast = train(workload, initial, Plan.uniform(sixteen, warmup_steps=0), order, steps, eval_every,
                           evaluate, metric, sixteen + suffix, SIXTEEN_BIT, f"{sixteen} everywhere", sharded=sharded,
                           **until)
         if native:
@@ -312,14 +324,14 @@ def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, ste
         if _describe(plan) == f"{sixteen} everywhere":
             return [cast, ValidationCurve(**{**cast.__dict__, "label": "plan" + suffix, "kind": PLAN,
                                              "description": f"the plan: {sixteen} everywhere"})]
-        return [cast, _train_arm(workload, initial, plan, order, steps, eval_every, evaluate, metric, "plan" + suffix,
+        return [cast, train(workload, initial, plan, order, steps, eval_every, evaluate, metric, "plan" + suffix,
                                  PLAN, f"the plan: {description}", sharded=sharded, **until)]
 
     arms += cast_and_plan(arms[0], mine)
     replicates = [] if runs == 1 else [_replicate(0, arms[0], arms[2], arms[3], metric, fixed)]
     for order in range(1, runs):  # order 1 is the other fp32 arm's
         shuffled = random.Random(order).sample(mine, len(mine))
-        fp32 = arms[1] if order == 1 else _train_arm(workload, initial, None, shuffled, steps, eval_every, evaluate,
+        fp32 = arms[1] if order == 1 else train(workload, initial, None, shuffled, steps, eval_every, evaluate,
                                                       metric, f"fp32, order {order}", FP32, "fp32", sharded=sharded)
         replicates.append(_replicate(order, fp32, *cast_and_plan(fp32, shuffled, f", order {order}"), metric, fixed))
     return {"arms": arms, "plan": plan.to_dict(), "description": description, "advice": advice,
@@ -357,7 +369,8 @@ def _describe(plan: Plan) -> str:
 def validate_workload(spec: str, plan=None, *, nproc: int = 2, rate: str | None = None, steps: int = 300,
                       eval_every: int | None = None, sixteen: str | None = None, target: float | None = None,
                       extra_steps: float = 2.0, autotune_kwargs: dict | None = None,
-                      timeout: float = 3000.0, sharded: bool = False, runs: int = 1) -> ValidationReport:
+                      timeout: float = 3000.0, sharded: bool = False, runs: int = 1,
+                      progress: bool = False) -> ValidationReport:
     """Train fp32, ``sixteen`` and ``plan`` on ``nproc`` ranks for ``steps`` steps; compare time to accuracy.
 
     Args:
@@ -381,6 +394,7 @@ def validate_workload(spec: str, plan=None, *, nproc: int = 2, rate: str | None 
             :func:`advisor.autotune_sharded` where no plan is given.
         runs: the comparison in this many batch orders (fp32, 16-bit and the plan in each; see the
             module doc); 1: one order, with fp32 also in a second one (the noise).
+        progress: rank 0 prints a line on stderr as each arm (and autotune's each stage) ends.
 
     Returns:
         A :class:`ValidationReport`: each arm's curve, its time to the target and its
@@ -393,6 +407,8 @@ def validate_workload(spec: str, plan=None, *, nproc: int = 2, rate: str | None 
     load_factory(spec)
     for name, value in (("nproc", nproc), ("steps", steps), ("runs", runs)):
         check_int(name, value)
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"timeout={timeout!r}; allowed: seconds > 0")
     eval_every = eval_every if eval_every is not None else max(1, steps // 20)
     check_int("eval_every", eval_every)
     if not extra_steps >= 1:
@@ -414,8 +430,13 @@ def validate_workload(spec: str, plan=None, *, nproc: int = 2, rate: str | None 
     kwargs = dict(autotune_kwargs or {})
 
     def args(where: str):
-        return (spec, plan_dict, steps, eval_every, sixteen, target, extra_steps, kwargs, where, sharded, runs)
+        return (spec, plan_dict, steps, eval_every, sixteen, target, extra_steps, kwargs, where, sharded, runs,
+                progress)
 
+    if progress:
+        print(f"training fp32, {sixteen or 'the 16-bit cast'} and the plan for {steps} steps each on {nproc} ranks"
+              + (f", in {runs} batch orders" if runs > 1 else "") + ("" if plan is not None else ", autotuning first")
+              + f", within {timeout:g} s; rank 0's stages:", file=sys.stderr, flush=True)
     out = run_ranks(_validate_rank, nproc, args, rate=rate, timeout=timeout)[0]
     arms: list[ValidationCurve] = out["arms"]
     metric = out["metric"]
