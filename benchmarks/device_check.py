@@ -196,6 +196,9 @@ def check_sharded(device: str) -> bool:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, **kwargs)
     ok, done = True, []
     try:
+        # the communicator is made at the first collective, outside the debug mode: only the comms are judged
+        warm = torch.zeros(2, device=device)
+        dist.all_to_all_single(torch.empty_like(warm), warm)
         for label in SHARDED_COMMS:
             config = parse(label)
             if config.name == "intquant":
