@@ -1,5 +1,6 @@
 """Profilers on real ranks: local processes and the emulated cluster."""
 
+import os
 import statistics
 import subprocess
 
@@ -36,15 +37,24 @@ def names_of(cluster) -> set[str]:
 def test_fitted_all_reduce_bandwidth_is_within_15_percent_of_the_shaped_rate(hosts, rate):
     with EmulatedCluster(hosts=hosts, rate=rate) as cluster:
         fit = cluster.run(pp.network_only, timeout=120)[0].fits["all_reduce"]
-        if fit.bandwidth_bps < 0.85 * parse_rate(rate):
+        for _ in range(2):
+            if fit.bandwidth_bps >= 0.85 * parse_rate(rate):
+                break
             # a busy machine can only slow the ranks, never speed the shaped link: CI once
-            # fitted 77 Mbit/s on 4 hosts at 100 Mbit/s, and a quiet rerun fitted the rate.
-            # So one profile below the band is measured again, and the faster fit is judged.
+            # fitted 77 Mbit/s on 4 hosts at 100 Mbit/s, and a full suite 825 Mbit/s twice on
+            # 2 hosts at 1 Gbit/s where quiet runs fit 947-960. So a profile below the band is
+            # measured again, up to three in all, and the fastest fit is judged.
             again = cluster.run(pp.network_only, timeout=120)[0].fits["all_reduce"]
             fit = max(fit, again, key=lambda f: f.bandwidth_bps)
-    assert fit.bandwidth_bps == pytest.approx(parse_rate(rate), rel=0.15)
+    assert fit.bandwidth_bps == pytest.approx(parse_rate(rate), rel=0.15), _what_else_runs()
     assert fit.r2 > 0.95
     assert not set(our_namespaces()) & names_of(cluster)
+
+
+def _what_else_runs() -> str:
+    """The load and the busiest processes, so a fit slowed by the machine says by what."""
+    top = subprocess.run(["ps", "-eo", "pcpu,etimes,args", "--sort=-pcpu"], capture_output=True, text=True).stdout
+    return f"load average {os.getloadavg()}; busiest processes:\n" + "\n".join(top.splitlines()[:8])
 
 
 def test_cores_are_shared_out_evenly_and_only_when_every_rank_gets_one():
