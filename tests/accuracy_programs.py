@@ -95,16 +95,28 @@ def autotune_digits(rank: int, world: int, kwargs: dict):
     return {"result": result, "unchanged": _same(before, _state(ddp.module, opt))}
 
 
-def checkpoints_twice(rank: int, world: int, spec: str, evaluate: bool):
-    """The fp32 pair's checkpoints in two trials of the same data from the same weights: they must not
-    depend on the machine's timing (held-out loss counted; a user's evaluate timed once, rounded)."""
+def checkpoints_twice(rank: int, world: int, spec: str, first_evaluation_s: float):
+    """The fp32 pair's checkpoints in trials of the same data from the same weights: twice judged by the
+    held-out loss (counted in steps), then once by the workload's evaluate whose first call alone takes
+    ``first_evaluation_s`` longer (a cold cache, a lazy import).  Each as (checkpoints, the cost of an
+    evaluation in steps, how that cost was found)."""
+    import time
+
     from advisor.testbed.workloads import shard
 
     workload, ddp, opt = _with_history(spec)
+    real, calls = workload.evaluator(), []
+
+    def slow_at_first(model):
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(first_evaluation_s)
+        return real(model)
+
     out = []
-    for _ in range(2):
-        kwargs = {"evaluate": workload.evaluator()} if evaluate else {"held_out": workload.held_out}
+    for kwargs in ({"held_out": workload.held_out}, {"held_out": workload.held_out}, {"evaluate": slow_at_first}):
         trial = AccuracyTrial(ddp, workload.loss_fn, shard(workload.batches, rank, world), opt, max_steps=24,
                               time_budget_s=None, **kwargs)
-        out.append(trial.start().checkpoints)
+        report = trial.start()
+        out.append((report.checkpoints, report.evaluation_steps, report.evaluation_cost))
     return out

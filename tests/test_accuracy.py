@@ -123,6 +123,10 @@ def test_autotune_gates_what_it_would_choose_and_reports_the_trial():
 def test_the_same_trial_on_the_same_data_checkpoints_at_the_same_steps_whatever_the_timing():
     from accuracy_programs import checkpoints_twice
 
+    first, second, timed = launch_local(checkpoints_twice, 1, ("advisor.workloads:digits", 2.0), timeout=300)[0]
     # a held-out loss is counted in steps, not timed: the same checkpoints every time
-    first, second = launch_local(checkpoints_twice, 1, ("advisor.workloads:digits", False), timeout=300)[0]
-    assert first == second and len(first) > 5
+    assert first == second and len(first[0]) > 5 and first[2] == "counted"
+    # a user's evaluate can only be timed; one slow first call (2 s, where an evaluation of digits
+    # takes milliseconds, about four steps' worth) must not space the checkpoints hundreds of steps apart
+    checkpoints, cost, how = timed
+    assert how == "timed" and 0 < cost < 16 and len(checkpoints) >= 3, timed

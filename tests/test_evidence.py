@@ -321,3 +321,29 @@ def test_the_advices_evidence_shows_the_re_timed_step_speed_up_and_survives_json
     shown = console.export_text()
     assert "Re-timed after the race: c1 181.0 vs bf16 200.0 ms/step, the two alone in 3 rounds of 9 steps: 1.10x" in shown
     assert "the race had said 1.99x" in shown and "per step re-timed" in shown
+
+
+def test_the_trial_says_what_an_evaluation_costs_and_where_it_checkpointed_and_survives_json():
+    from rich.console import Console
+
+    from advisor.runtime import Plan
+    from advisor.tuning.accuracy import AccuracyTrialReport, ArmResult
+    from advisor.tuning.results import AutotuneResult
+
+    trial = AccuracyTrialReport(metric="loss", higher_is_better=False, checkpoints=[0, 4, 20, 36, 52, 68, 84, 85],
+                                tolerance=0.01, se=0.3, detectable=0.9, powered=False, steps_needed=900, kappa=0.5,
+                                kappa_se=0.1, progress=0.9, held_out=True, length_reason="the step budget",
+                                seconds=30.0, evaluation_steps=3.84, evaluation_cost="timed")
+    trial.arms = [ArmResult("fp32", gate.REFERENCE, "fp32 (native DDP)", [2.3] * 8, 5.0, True, "", 0.0,
+                            efficiency=1.0, efficiency_se=0.0)]
+    result = AutotuneResult(
+        plan=Plan.uniform("bf16").to_dict(), recommendation="bf16", compress=False, description="bf16", reason="why",
+        predicted_s={}, measured=MEASURED[:2], speedup={}, fidelity_error=0.0, fidelity_budget=0.0, reference=None,
+        policy="optuna", policy_evaluations=1, seconds={}, world_size=2, where="here", accuracy=trial)
+    again = AutotuneResult.from_json(result.to_json())
+    assert again.accuracy.evaluation_steps == 3.84 and again.accuracy.evaluation_cost == "timed"
+    console = Console(width=200, record=True)
+    result.render(console)
+    shown = console.export_text()
+    assert "One evaluation costs about 3.8 training steps (timed); so 7 checkpoints: steps 4, 20, 36, 52, 68 ... 85" \
+        in shown, shown

@@ -126,6 +126,10 @@ def render_accuracy(report, console) -> None:
                   f"tolerance of {report.tolerance:.2%}: {power}. Noise from two fp32 batch orders (standard error "
                   f"{report.se:.2%}); fp32 improved {report.progress:.1%}. Length: {report.length_reason}; "
                   f"{report.seconds:.1f} s")
+    if report.evaluation_steps is not None:  # it sets how far apart the checkpoints are
+        console.print(f"One evaluation costs about {report.evaluation_steps:.2g} training steps ({report.evaluation_cost}); "
+                      f"so {len(report.checkpoints) - 1} checkpoints: steps {', '.join(map(str, report.checkpoints[1:6]))}"
+                      f"{' ... ' + str(report.checkpoints[-1]) if len(report.checkpoints) > 6 else ''}")
     if not report.powered:
         console.print(f"To prove more: {report.what_would_prove()}")
     for warning in report.warnings:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -153,6 +154,10 @@ class AccuracyTrialReport:
     #: the run length the trial's gaps are extrapolated to (None: unknown)
     horizon: int | None = None
     warnings: list[str] = field(default_factory=list)
+    #: what one evaluation costs in training steps, which sets how far apart the checkpoints are:
+    #: "counted" from the held-out batches, or "timed" for the user's ``evaluate`` (None: not known)
+    evaluation_steps: float | None = None
+    evaluation_cost: str = ""
 
     @property
     def informative(self) -> bool:
@@ -279,27 +284,26 @@ class AccuracyTrial:
         t0 = time.perf_counter()
         self.evaluate, held_out, eval_batches = self._evaluator()
         # what one evaluation costs in training steps: counted where the evaluator is the held-out
-        # loss (a batch's forward is about a third of a training step); timed once for evaluate=,
-        # and rounded up to a power of two. So the same call on the same data checkpoints at the
-        # same steps whatever the machine's timing (where a trial stops on a memorised task's
-        # curve, checkpoints that moved with the timing moved the verdict)
+        # loss (a batch's forward is about a third of a training step), so the same call on the
+        # same data checkpoints at the same steps whatever the machine's timing (checkpoints that
+        # move move the trial's noise and verdicts); a user's evaluate= can only be timed
+        # (_timed_evaluation_cost), robustly and coarsely
         eval_steps = slowest([len(eval_batches)], self.group)[0] / 3 if eval_batches is not None else None
+        eval_cost = "counted" if eval_steps is not None else "timed"
         ref, noise_arm = self._shadows(None), self._shadows(None)
-        t_eval = time.perf_counter()
-        first = self._checkpoint([ref.module, noise_arm.module], initial=True)
-        eval_s = self._elapsed(t_eval) / 2  # one evaluation of one model
+        eval_times: list[float] = []
+        first = self._checkpoint([ref.module, noise_arm.module], initial=True, times=eval_times)
         self.initial = first[0]
         curves = [[first[0]], [first[1]]]
         checkpoints, step, chunk = [0], 0, self.eval_every
         was_powered = is_powered = False
         while True:
             draw_on_every_rank(self.stream, step + chunk, self.group)
-            t_chunk = time.perf_counter()
             self._steps(ref.model, ref.optimizer, self.stream.train, step, chunk)
             self._steps(noise_arm.model, noise_arm.optimizer, self.stream.other_order, step, chunk)
-            step_s = self._elapsed(t_chunk) / (2 * chunk)
+            first_chunk = step == 0
             step += chunk
-            values = self._checkpoint([ref.module, noise_arm.module])
+            values = self._checkpoint([ref.module, noise_arm.module], times=eval_times)
             curves[0].append(values[0])
             curves[1].append(values[1])
             checkpoints.append(step)
@@ -324,8 +328,8 @@ class AccuracyTrial:
                 break
             # evaluate about a dozen times per doubling of the trial, and spend at most about a
             # fifth of the trial's time evaluating
-            if eval_steps is None:
-                eval_steps = 2.0 ** math.ceil(math.log2(max(eval_s / max(step_s, 1e-9), 1 / 64)))
+            if eval_steps is None and first_chunk:
+                eval_steps = self._timed_evaluation_cost(ref.module, eval_times)
             chunk = max(1, math.ceil(step / 12), math.ceil(4 * eval_steps))
             # the last chunk is cut to what the budget leaves: stopping short would waste up to a
             # third of it, and how much would depend on the machine's timing
@@ -344,7 +348,7 @@ class AccuracyTrial:
             steps_needed=max(noise.steps_to_detect(step, self.tolerance), gate.MIN_PROOF_STEPS), kappa=kappa,
             kappa_se=kappa_se,
             progress=learned, held_out=held_out, length_reason=why, seconds=0.0, horizon=self.horizon,
-            warnings=notes)
+            warnings=notes, evaluation_steps=eval_steps, evaluation_cost=eval_cost)
         seconds = self._elapsed(t0)
         self._report.arms.append(ArmResult("fp32", gate.REFERENCE, "fp32 (native DDP)", curves[0], seconds / 2,
                                            True, "the reference", 0.0, 0.0, efficiency=1.0, efficiency_se=0.0))
@@ -352,6 +356,32 @@ class AccuracyTrial:
                                               curves[1], seconds / 2, 0.0, ""))
         self._report.seconds = seconds
         return self._report
+
+    def _timed_evaluation_cost(self, module: nn.Module, eval_times: list[float]) -> float:
+        """What one evaluation by the user's ``evaluate`` costs in training steps, the same on every rank.
+
+        The checkpoints' spacing follows from it, and the trial's noise and verdicts from the
+        checkpoints, so it must move as little as it can with the machine's timing.  It is
+        timed against what it is made of, forward passes: the median evaluation over the
+        median of three forwards of a training batch (no collective, no backward, whose times
+        vary most), at a third of a step each as where it is counted.  It is not rounded: a
+        grid puts some task's cost on a boundary, where the spacing then jumps with the noise
+        (one timed chunk of steps rounded to a power of two gave the same call on the same data
+        checkpoints 16 and 32 steps apart); unrounded, noise moves a checkpoint a step or two.
+        """
+        forwards = []
+        was_training = module.training
+        module.eval()
+        try:
+            with torch.no_grad():
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    self.loss_fn(module, self.stream.train(0))
+                    forwards.append(time.perf_counter() - t0)
+        finally:
+            module.train(was_training)
+        eval_s, forward_s = mean_over_ranks([statistics.median(eval_times), statistics.median(forwards)], self.group)
+        return eval_s / max(3 * forward_s, 1e-9)
 
     def _learns_nothing(self, step: int, late: int, learned: float, detectable: float) -> bool:
         """fp32 that learns nothing (random batches) ends the trial at once; progress that the
@@ -479,9 +509,12 @@ class AccuracyTrial:
         """Seconds since ``t0``, averaged over ranks (every rank must agree on when to stop)."""
         return mean_over_ranks([time.perf_counter() - t0], self.group)[0]
 
-    def _checkpoint(self, models: Sequence[torch.nn.Module], initial: bool = False) -> list[float]:
-        """The decisive metric of each model, averaged over ranks."""
-        found = evaluate_on_every_rank(self.evaluate, models, self.metric, self.group, require_finite=initial)
+    def _checkpoint(self, models: Sequence[torch.nn.Module], initial: bool = False,
+                    times: list[float] | None = None) -> list[float]:
+        """The decisive metric of each model, averaged over ranks (``times``: this rank's seconds per
+        model's evaluation are appended)."""
+        found = evaluate_on_every_rank(self.evaluate, models, self.metric, self.group, require_finite=initial,
+                                       times=times)
         return [m[self.metric] for m in found]
 
 
@@ -499,20 +532,24 @@ def check_evaluate(evaluate) -> None:
 
 
 def evaluate_on_every_rank(evaluate: Evaluator, models: Sequence[torch.nn.Module], metric: str, group=None,
-                           require_finite: bool = False) -> list[dict[str, float]]:
+                           require_finite: bool = False, times: list[float] | None = None) -> list[dict[str, float]]:
     """Each model's metrics, averaged over ranks; an ``evaluate`` that fails, fails on every rank.
 
     Every rank calls it with its own held-out data.  One all-reduce carries every value and
     a failure flag per rank; only when one is set are the ranks' messages gathered, so the
     error names each failing rank and its exception.  ``require_finite``: a non-finite
-    value counts as a failure of ``evaluate`` (on weights known to be finite).
+    value counts as a failure of ``evaluate`` (on weights known to be finite).  ``times``: the
+    seconds each evaluation took on this rank are appended to it.
     """
     world, me = world_size(group), rank(group)
     found: list[dict[str, float]] = []
     problem = None
     for model in models:
         try:
+            t0 = time.perf_counter()
             found.append(_metrics(evaluate(model), metric))
+            if times is not None:
+                times.append(time.perf_counter() - t0)
         except Exception as exc:  # the user's evaluate may fail in any way; every rank must hear of it
             problem = f"{type(exc).__name__}: {exc}"
             break
