@@ -62,11 +62,21 @@ class LiveMeasurement:
         return statistics.stdev(self.round_s) / math.sqrt(len(self.round_s)) / self.median_s
 
 
+#: what a :class:`Retiming` measured the plan against
+RETIMED_BESIDE_BASELINE = "baseline"
+RUNOFF = "runoff"
+
+
 @dataclass
 class Retiming:
-    """A plan's step speed-up measured again after the race chose it: the plan alone beside the
-    best baseline in interleaved rounds of longer turns (each round's median step time, slowest
-    rank), with the estimate, its 95% bounds and what the race had said."""
+    """A plan's step speed-up measured again after the race: the plan alone beside one other arm
+    in interleaved rounds of longer turns (each round's median step time, slowest rank), with
+    the estimate (the other's time over the plan's), its 95% bounds and what the race had said.
+
+    ``purpose``: ``"baseline"``, the plan the race chose beside the best baseline, or
+    ``"runoff"``, the race's runner-up (``label``) beside its leader (``baseline``), two
+    candidates the race could not tell apart.
+    """
 
     label: str
     baseline: str
@@ -80,11 +90,19 @@ class Retiming:
     race_speedup: float
     #: seconds the re-timing took
     seconds: float = 0.0
+    purpose: str = RETIMED_BESIDE_BASELINE
 
     def __post_init__(self) -> None:
+        if self.purpose not in (RETIMED_BESIDE_BASELINE, RUNOFF):
+            raise ValueError(f"purpose={self.purpose!r}; allowed: {RETIMED_BESIDE_BASELINE!r}, {RUNOFF!r}")
         if len(self.plan_s) != len(self.baseline_s) or not self.plan_s:
             raise ValueError(f"re-timing of {self.label}: paired rounds must match in number, got "
                              f"{len(self.plan_s)} vs {len(self.baseline_s)}")
+
+    @property
+    def is_runoff(self) -> bool:
+        """The runner-up beside the leader, not a plan beside the best baseline."""
+        return self.purpose == RUNOFF
 
 
 def step_speedup(baseline: LiveMeasurement, plan: LiveMeasurement) -> Estimate:

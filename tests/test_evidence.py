@@ -1,5 +1,6 @@
 """Evidence for "faster to the same accuracy": the numbers, the verdicts and the decision, on numbers."""
 
+import dataclasses
 import math
 import random
 
@@ -248,6 +249,103 @@ def test_only_a_plan_the_trial_proved_is_re_timed():
     decision, _, rejected = decide_time_to_accuracy(MEASURED[:3], lambda d: verdict(d.chosen, gate.ACCEPTED),
                                                     retime=lambda d, arm: asked.append(d.chosen))
     assert asked == [] and decision.chosen == "bf16" and "cannot be read" in rejected[0]
+
+
+# c1 and c2 are the same compressor in two layouts: the race has c1 ahead by a hair, inside its noise
+CLOSE = [rounds("fp32", "fp32", 300, 310, 305), rounds("bf16", "16-bit", 200, 205, 202),
+         rounds("c1", "candidate", 100, 108, 101), rounds("c2", "candidate", 103, 101, 106)]
+
+
+def test_two_candidates_the_race_could_not_tell_apart_are_run_off_and_the_faster_goes_first():
+    asked = []
+
+    def runoff(leader, runner_up, race):
+        asked.append((leader, runner_up))
+        assert race.lower() < 1 < race.upper(), "run off only where the race could not tell them apart"
+        return ev.Estimate(1.06, 0.01, 4)  # the leader's time over the runner-up's: c2 is 6% faster
+
+    decision, _, _ = decide_time_to_accuracy(CLOSE, None, runoff=runoff)
+    assert asked == [("c1", "c2")] and decision.chosen == "c2" and decision.compress
+    assert "c2 went ahead of c1 in a run-off of the two alone" in decision.reason and "1.06x per step" in decision.reason
+    # where the leader holds its place it stays chosen, and the reason says how sure that is
+    decision, _, _ = decide_time_to_accuracy(CLOSE, None, runoff=lambda *_: ev.Estimate(0.95, 0.01, 4))
+    assert decision.chosen == "c1" and "c1 went ahead of c2" in decision.reason
+
+
+def test_no_run_off_where_the_race_already_separated_the_two_or_only_one_beat_the_baseline():
+    asked = []
+    decision, _, _ = decide_time_to_accuracy(MEASURED, None, runoff=lambda *a: asked.append(a))
+    assert decision.chosen == "c1" and asked == []  # c2 was resolved slower than c1 in the race
+    slow = CLOSE[:3] + [rounds("c2", "candidate", 150, 260, 110)]  # not shown faster than bf16
+    decision, _, _ = decide_time_to_accuracy(slow, None, runoff=lambda *a: asked.append(a))
+    assert decision.chosen == "c1" and asked == []
+
+
+def test_a_run_off_winner_turned_down_for_accuracy_gives_the_loser_its_place_back():
+    verdicts = {"c1": verdict("c1", gate.ACCEPTED, 0.99, se=0.005), "c2": verdict("c2", gate.REJECTED),
+                "bf16": verdict("bf16", gate.ACCEPTED)}
+    judged, asked = [], []
+
+    def judge(decision):
+        judged.append(decision.chosen)
+        return verdicts[decision.chosen]
+
+    def runoff(leader, runner_up, race):
+        asked.append((leader, runner_up))
+        return ev.Estimate(1.06, 0.01, 4)
+
+    decision, _, rejected = decide_time_to_accuracy(CLOSE, judge, runoff=runoff)
+    # the leader is proven first (a run-off for a plan that cannot be installed is time wasted),
+    # then the run-off's winner is judged in its turn, turned down, and the leader comes back
+    assert judged == ["c1", "c2", "c1"] and asked == [("c1", "c2")]
+    assert decision.chosen == "c1" and len(rejected) == 1 and rejected[0].startswith("c2")
+    # a leader the trial cannot prove is never run off
+    asked.clear()
+    unproven = {**verdicts, "c1": verdict("c1", gate.NOT_PROVEN), "c2": verdict("c2", gate.NOT_PROVEN)}
+    decision, _, _ = decide_time_to_accuracy(CLOSE, lambda d: unproven[d.chosen], runoff=runoff)
+    assert decision.chosen == "bf16" and asked == []
+
+
+def test_the_run_off_measures_the_two_alone_until_one_is_faster_or_they_tie_and_is_reported():
+    from rich.console import Console
+
+    from advisor.runtime import Plan
+    from advisor.tuning.results import AutotuneResult
+    from advisor.tuning.steps import Arm, runoff_settled, runoff_timer
+
+    # round medians: c2 steadily 4% faster than c1 from the fourth round on
+    times = {"c1": [0.100, 0.104, 0.099] + [0.104] * 5, "c2": [0.101, 0.100, 0.100] + [0.100] * 5}
+    calls = []
+
+    def measure(pair, steps, first_rounds, max_rounds, settled_when):
+        calls.append((sorted(pair), dict(steps), first_rounds, max_rounds))
+        got = {label: [] for label in pair}
+        while len(got["c1"]) < first_rounds or (len(got["c1"]) < max_rounds and not settled_when(got)):
+            for label in pair:
+                got[label].append(times[label][len(got[label])])
+        return got
+
+    arms = {label: Arm(label, "candidate", Plan.uniform("fp16"), None, label, 0.1, None) for label in ("c1", "c2")}
+    record = []
+    runoff = runoff_timer(measure, arms, turn=lambda arm: 15, max_rounds=8, record=record)
+    step = runoff("c1", "c2", ev.Estimate(0.99, 0.02, 2))
+    assert calls == [(["c1", "c2"], {"c1": 15, "c2": 15}, 3, 8)]
+    assert len(record[0].plan_s) == 6 and step.lower() > 1, "more rounds until c2 was shown faster"
+    assert runoff_settled(ev.Estimate(1.0, 0.001, 6)), "a tie within 3% settles it too"
+    assert not runoff_settled(ev.Estimate(1.0, 0.05, 6))
+    done = record[0]
+    assert done.is_runoff and (done.label, done.baseline, done.steps) == ("c2", "c1", 15)
+    result = AutotuneResult(
+        plan=Plan.uniform("fp16").to_dict(), recommendation="c2", compress=True, description="c2", reason="why",
+        predicted_s={}, measured=CLOSE, speedup={}, fidelity_error=0.1, fidelity_budget=0.2, reference=None,
+        policy="optuna", policy_evaluations=1, seconds={}, world_size=2, where="here", retimed=[done])
+    again = AutotuneResult.from_json(result.to_json())
+    assert again == result and again.retimed[0].is_runoff
+    console = Console(width=140, record=True)
+    result.render(console)
+    assert "Run-off after the race, runner-up beside leader: c2 100.0 vs c1 104.0 ms/step" in console.export_text()
+    with pytest.raises(ValueError, match="purpose='other'; allowed: 'baseline', 'runoff'"):
+        dataclasses.replace(done, purpose="other")
 
 
 def test_without_an_optimizer_no_compressed_plan_can_be_proven():

@@ -23,8 +23,10 @@ def render_result(result, console: Console | None = None) -> None:
     console.print(f"Why: {result.reason}")
     render_evidence(result, console)
     for r in getattr(result, "retimed", []):
+        what = ("Run-off after the race, runner-up beside leader" if r.is_runoff
+                else "Re-timed after the race")
         console.print(
-            f"Re-timed after the race: {r.label} {statistics.median(r.plan_s) * 1e3:.1f} vs {r.baseline} "
+            f"{what}: {r.label} {statistics.median(r.plan_s) * 1e3:.1f} vs {r.baseline} "
             f"{statistics.median(r.baseline_s) * 1e3:.1f} ms/step, the two alone in {len(r.plan_s)} rounds of "
             f"{r.steps} steps: {r.speedup:.2f}x per step ({r.low:.2f}-{r.high:.2f}, 95%); the race had said "
             f"{r.race_speedup:.2f}x")

@@ -20,6 +20,8 @@ batches (a list, or the DataLoader itself: batches are drawn as they are needed)
    speed-up (step speed-up x step efficiency) beats the best baseline.  The step speed-up
    it rests on is measured again once the trial has proven the plan: the plan alone beside
    the best baseline, in longer turns (the race's winner is favoured by its own race time).
+   Where the race could not tell its two fastest candidates apart, they first run off alone,
+   in the same longer turns, and the faster goes first.
    Where the evidence cannot be had in the budget, the advice is the baseline, with what a
    trial would need.  Rank 0 decides and broadcasts.
 6. The chosen plan is installed on the user's model, unless the advice is fp32: then
@@ -65,6 +67,7 @@ from advisor.tuning.steps import (
     final_plan,
     not_ddp,
     retimer,
+    runoff_timer,
     search,
     search_layouts,
     settled,
@@ -271,11 +274,13 @@ def autotune(
     else:
         judge = None
     retimings: list[Retiming] = []
-    retime = retimer(_measurer(ddp_model, loss_fn, batches, optimizer, group, say), arms,
-                     turn=lambda arm: turn_steps(arm, RETIME_LONGER * steps, RETIME_LONGER * measure_s),
-                     max_rounds=max_rounds, min_gain=min_gain, say=say, record=retimings)
+    measure_again = _measurer(ddp_model, loss_fn, batches, optimizer, group, say)
+    longer = lambda arm: turn_steps(arm, RETIME_LONGER * steps, RETIME_LONGER * measure_s)  # noqa: E731
+    retime = retimer(measure_again, arms, turn=longer, max_rounds=max_rounds, min_gain=min_gain, say=say,
+                     record=retimings)
+    runoff = runoff_timer(measure_again, arms, turn=longer, max_rounds=max_rounds, say=say, record=retimings)
     decision, checked, _ = decide_time_to_accuracy(measured, judge, min_gain=min_gain, group=group,
-                                                   retime=retime if judge is not None else None)
+                                                   retime=retime if judge is not None else None, runoff=runoff)
     if checked and trial is not None:
         checked = f"in autotune's {trial.trial.report().steps}-step trial: {checked}"
     t_decided = time.perf_counter()

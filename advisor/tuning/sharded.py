@@ -58,6 +58,7 @@ from advisor.tuning.steps import (
     check_trial_budget,
     decide_time_to_accuracy,
     retimer,
+    runoff_timer,
     settled,
     trial_budget,
     unprovable,
@@ -269,8 +270,10 @@ def autotune_sharded(
     retimings: list[Retiming] = []
     retime = retimer(measure, arms,
                      turn=lambda arm: RETIME_LONGER * steps, max_rounds=max_rounds, say=say, record=retimings)
+    runoff = runoff_timer(measure, arms, turn=lambda arm: RETIME_LONGER * steps, max_rounds=max_rounds, say=say,
+                          record=retimings)
     decision, checked, _ = decide_time_to_accuracy(measured, judge, group=group,
-                                                   retime=retime if judge is not None else None)
+                                                   retime=retime if judge is not None else None, runoff=runoff)
     t_decided = time.perf_counter()
     retime_s = sum(r.seconds for r in retimings)
 

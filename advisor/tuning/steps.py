@@ -33,7 +33,17 @@ from policies import evidence
 from policies.base import Policy, PolicyResult
 from policies.baselines import BASELINES, DEFAULT_REFERENCE
 from policies.baselines import SIXTEEN_BIT as SIXTEEN_BIT_CASTS
-from policies.do_no_harm import CANDIDATE, FP32, SIXTEEN_BIT, Decision, LiveMeasurement, Retiming, decide, step_speedup
+from policies.do_no_harm import (
+    CANDIDATE,
+    FP32,
+    RUNOFF,
+    SIXTEEN_BIT,
+    Decision,
+    LiveMeasurement,
+    Retiming,
+    decide,
+    step_speedup,
+)
 from policies.problem import TuningProblem
 from profilers.profile import ClusterProfile
 from profilers.training_state import preferred_sixteen_bit
@@ -275,6 +285,7 @@ def _arm(problem: TuningProblem, label: str, kind: str, choices: np.ndarray, des
 def decide_time_to_accuracy(measured: Sequence[LiveMeasurement], judge: Callable[[Decision], Any] | None, *,
                             min_gain: float = 0.0, group=None,
                             retime: Callable[[Decision, Any], evidence.Estimate] | None = None,
+                            runoff: Callable[[str, str, evidence.Estimate], evidence.Estimate] | None = None,
                             ) -> tuple[Decision, str, list[str]]:
     """Do no harm to the time to accuracy: the decision and why its accuracy stands.
 
@@ -296,6 +307,12 @@ def decide_time_to_accuracy(measured: Sequence[LiveMeasurement], judge: Callable
     left it unresolved: the race stops once its winner is resolved, not the runner-up, and a
     re-timing measures on while the time to accuracy is unresolved.
 
+    ``runoff(leader, runner_up, race) -> Estimate``, where given, settles the race's two fastest
+    candidates where it could not tell them apart (``race``: the leader's time over the
+    runner-up's, in the race), before either is judged: the two alone, in longer turns
+    (:func:`runoff_timer`); it returns the same ratio.  The runner-up goes first where it was
+    faster there; the loser stays next in line, should the winner be turned down.
+
     Returns ``(decision, accepted_reason, rejected_reasons)``; ``accepted_reason`` is ""
     when nothing was judged, and the decision's reason names every rejection with its
     numbers.  A compressed decision carries its time-to-accuracy speed-up in ``tta``.
@@ -303,17 +320,43 @@ def decide_time_to_accuracy(measured: Sequence[LiveMeasurement], judge: Callable
     measured = list(measured)
     rejected: list[str] = []
     checked = ""
+    lost_to: dict[str, str] = {}  # a run-off's loser: its winner, ahead of it while the winner is in the race
+    ran_off: list[str] = []
+
+    def _run_off(decision: Decision, pool: list[LiveMeasurement]) -> bool:
+        """At most one run-off (it settles the race's first place, the costliest error, at a bounded
+        cost); True where the runner-up won it."""
+        rival = _rival(decision, pool, min_gain) if runoff is not None and not ran_off else None
+        if rival is None:
+            return False
+        leader = next(m for m in pool if m.label == decision.chosen)
+        race = step_speedup(leader, rival)
+        step = runoff(leader.label, rival.label, race)
+        winner, loser = (rival, leader) if step.value > 1 else (leader, rival)
+        lost_to[loser.label] = winner.label
+        ran_off.append(_runoff_note(winner, loser, race, step, winner is rival))
+        return winner is rival
+
     while True:
-        mine = decide(measured, min_gain=min_gain)
+        alive = {m.label for m in measured}
+        pool = [m for m in measured if lost_to.get(m.label) not in alive]
+        mine = decide(pool, min_gain=min_gain)
         decision = from_rank_zero(mine, group)
         if decision.chosen != mine.chosen:
             log.warning("rank %d would have chosen %s; following rank 0's decision (%s)", rank(group),
                         mine.chosen, decision.chosen)
         if judge is not None and retime is not None and rejected:
-            decision = _second_look(decision, measured, min_gain) or decision
-        if judge is None or decision.kind == FP32:
+            decision = _second_look(decision, pool, min_gain) or decision
+        if judge is None:
+            if _run_off(decision, pool):
+                continue  # decided again, with the runner-up ahead of the leader
+            break
+        if decision.kind == FP32:
             break
         arm = judge(decision)
+        # a proven plan's place is settled before it is re-timed; a run-off's winner is then judged in turn
+        if arm.accepted and decision.kind == CANDIDATE and arm.kind != gate.SIXTEEN_BIT and _run_off(decision, pool):
+            continue
         why_not = "" if arm.accepted else arm.reason
         # a cast in another bucket layout learns as the cast does: its step speed-up is the claim
         if arm.accepted and decision.kind == CANDIDATE and arm.kind != gate.SIXTEEN_BIT:
@@ -346,7 +389,36 @@ def decide_time_to_accuracy(measured: Sequence[LiveMeasurement], judge: Callable
         decision.reason = decision.reason.replace("no compressed candidate was measured",
                                                   "no measured compressed candidate was proven for accuracy")
         decision.reason += "; not installed for accuracy: " + "; ".join(_grouped(rejected))
+    if ran_off:
+        decision.reason += "; " + "; ".join(ran_off)
     return decision, checked, rejected
+
+
+def _rival(decision: Decision, pool: Sequence[LiveMeasurement], min_gain: float) -> LiveMeasurement | None:
+    """The candidate a run-off should set beside the chosen one: the fastest other candidate also shown
+    faster than the best baseline, unless the race already showed it slower than the chosen."""
+    if not decision.compress or decision.kind != CANDIDATE:
+        return None
+    by_label = {m.label: m for m in pool}
+    base, leader = by_label[decision.best_baseline], by_label[decision.chosen]
+    others = [m for m in pool if m.kind == CANDIDATE and m is not leader
+              and step_speedup(base, m).lower() > 1 + min_gain]
+    if not others:
+        return None
+    rival = min(others, key=lambda m: m.median_s)
+    return None if step_speedup(leader, rival).upper() < 1 else rival
+
+
+def _runoff_note(winner: LiveMeasurement, loser: LiveMeasurement, race: evidence.Estimate,
+                 step: evidence.Estimate, runner_up_won: bool) -> str:
+    """The run-off in words, each ratio as the winner's speed-up over the loser (``race`` and ``step``
+    are the leader's time over the runner-up's)."""
+    def as_winner(e: evidence.Estimate) -> tuple[float, float, float]:
+        return (e.value, e.lower(), e.upper()) if runner_up_won else (1 / e.value, 1 / e.upper(), 1 / e.lower())
+    value, low, high = as_winner(step)
+    return (f"{winner.description or winner.label} went ahead of {loser.description or loser.label} in a run-off of "
+            f"the two alone, which the race could not tell apart ({as_winner(race)[0]:.2f}x): {value:.2f}x per step "
+            f"({low:.2f}-{high:.2f}x, 95%)")
 
 
 def _second_look(decision: Decision, measured: Sequence[LiveMeasurement], min_gain: float) -> Decision | None:
@@ -401,6 +473,51 @@ def retimer(measure: Callable[..., Mapping[str, list[float]]], arms: Mapping[str
         return evidence.paired_speedup(rounds_s[base.label], rounds_s[plan.label])
 
     return retime
+
+
+def runoff_timer(measure: Callable[..., Mapping[str, list[float]]], arms: Mapping[str, Arm], *,
+                 turn: Callable[[Arm], int], max_rounds: int, say: Callable[[str], None] | None = None,
+                 record: list[Retiming] | None = None) -> Callable[[str, str, evidence.Estimate], evidence.Estimate]:
+    """The ``runoff`` of :func:`decide_time_to_accuracy`: the race's leader and runner-up measured
+    again, the two alone, in interleaved rounds of ``turn(arm)`` timed steps a turn, as a
+    re-timing is (:func:`retimer`).
+
+    Why: the race goes on until its leader is resolved against the best baseline, not against
+    the runner-up, and picks the lower median.  Two candidates inside its noise (often the same
+    compressor in two bucket layouts) are then a coin toss, and the loser may be the faster.
+    Rounds go on past :data:`RETIME_ROUNDS`, up to ``max_rounds``, until one is shown faster or
+    the two are shown within :data:`RUNOFF_EQUAL` of each other.  Returns the leader's time over
+    the runner-up's; the run-off is appended to ``record`` (purpose ``"runoff"``).
+    """
+    say = say or (lambda message: None)
+
+    def runoff(leader: str, runner_up: str, race: evidence.Estimate) -> evidence.Estimate:
+        pair = {label: arms[label] for label in (leader, runner_up)}
+        per_turn = {label: turn(arm) for label, arm in pair.items()}
+        say(f"run-off: {arms[runner_up].description} beside {arms[leader].description}, which the race could not "
+            f"tell apart; the two alone, {per_turn[leader]} steps a turn")
+        started = time.perf_counter()
+        rounds_s = measure(pair, per_turn, RETIME_ROUNDS, max(max_rounds, RETIME_ROUNDS),
+                           lambda r: runoff_settled(evidence.paired_speedup(r[leader], r[runner_up])))
+        step = evidence.paired_speedup(rounds_s[leader], rounds_s[runner_up])
+        if record is not None:
+            record.append(Retiming(runner_up, leader, per_turn[runner_up], list(rounds_s[runner_up]),
+                                   list(rounds_s[leader]), step.value, step.lower(), step.upper(), race.value,
+                                   time.perf_counter() - started, purpose=RUNOFF))
+        return step
+
+    return runoff
+
+
+#: two plans within this of each other per step (both 95% bounds) are as fast as each other
+RUNOFF_EQUAL = 0.03
+
+
+def runoff_settled(step: evidence.Estimate) -> bool:
+    """Whether a run-off may stop: one of the two is shown faster, or both bounds lie within
+    :data:`RUNOFF_EQUAL` of a tie, where more rounds would not buy a difference worth having."""
+    return step.lower() > 1 or step.upper() < 1 or (step.lower() > 1 / (1 + RUNOFF_EQUAL)
+                                                   and step.upper() < 1 + RUNOFF_EQUAL)
 
 
 def retime_settled(decision: Decision, verdict, min_gain: float = 0.0
