@@ -268,10 +268,9 @@ def autotune_sharded(
     else:
         judge = None
     retimings: list[Retiming] = []
-    retime = retimer(measure, arms,
-                     turn=lambda arm: RETIME_LONGER * steps, max_rounds=max_rounds, say=say, record=retimings)
-    runoff = runoff_timer(measure, arms, turn=lambda arm: RETIME_LONGER * steps, max_rounds=max_rounds, say=say,
-                          record=retimings)
+    longer = lambda arm: RETIME_LONGER * steps  # noqa: E731
+    retime = retimer(measure, arms, turn=longer, max_rounds=max_rounds, say=say, record=retimings)
+    runoff = runoff_timer(measure, arms, turn=longer, max_rounds=max_rounds, say=say, record=retimings)
     decision, checked, _ = decide_time_to_accuracy(measured, judge, group=group,
                                                    retime=retime if judge is not None else None, runoff=runoff)
     t_decided = time.perf_counter()

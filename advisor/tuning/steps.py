@@ -309,9 +309,11 @@ def decide_time_to_accuracy(measured: Sequence[LiveMeasurement], judge: Callable
 
     ``runoff(leader, runner_up, race) -> Estimate``, where given, settles the race's two fastest
     candidates where it could not tell them apart (``race``: the leader's time over the
-    runner-up's, in the race), before either is judged: the two alone, in longer turns
-    (:func:`runoff_timer`); it returns the same ratio.  The runner-up goes first where it was
-    faster there; the loser stays next in line, should the winner be turned down.
+    runner-up's, in the race): the two alone, in longer turns (:func:`runoff_timer`); it
+    returns the same ratio.  With a ``judge`` the leader is proven first and the run-off comes
+    before its re-timing; without one, it comes at once.  The runner-up goes first where it was
+    faster there (and is judged in its turn); the loser stays next in line, should the winner
+    be turned down.  One run-off a call at most.
 
     Returns ``(decision, accepted_reason, rejected_reasons)``; ``accepted_reason`` is ""
     when nothing was judged, and the decision's reason names every rejection with its
