@@ -1,12 +1,14 @@
 """Bucket layout as part of the plan: DDP's buckets exchanged together where fewer rounds pay."""
 
+import dataclasses
+
 import pytest
 import rank_programs as rp
 from constructed import tuning_profile
 
 from advisor.runtime import Plan
 from advisor.testbed.launch import launch_local
-from advisor.tuning.steps import search, search_layouts, short_list, uniform_cast
+from advisor.tuning.steps import close_layouts_to_race, search, search_layouts, short_list, uniform_cast
 from advisor.tuning.whatif import what_if
 from policies.greedy import GreedyPolicy
 from policies.problem import TuningProblem
@@ -176,3 +178,21 @@ def test_the_report_tells_how_to_build_ddp_for_an_advice_in_smaller_buckets():
     text = " ".join(console.export_text().split())
     assert "DDP's buckets at 1 MiB, smaller than the ones this DDP model was built with" in text
     assert "bucket_cap_mb=1 (advisor.ddp_for(module, result))" in text
+
+
+def test_the_race_settles_the_nearest_close_layout_in_each_direction():
+    # the model can misjudge overlap against rounds either way, so a close finer layout (DDP rebuilt
+    # with smaller buckets) must not shut out a close join, which 4 ranks on 2 cores measured faster
+    problem = TuningProblem.from_profile(one_bucket(tuning_profile(n_buckets=12, numel=1024 * 1024)), budget=0.35)
+    found = search(GreedyPolicy(), problem)
+    finer, finer_too = problem.with_layout(None, 1.0), problem.with_layout(None, 4.0)
+    joined, joined_too = problem.with_layout(16.0), problem.with_layout(64.0)
+
+    def at(seconds):
+        return dataclasses.replace(found, predicted_s=seconds)
+
+    close = [(finer, at(0.100)), (finer_too, at(0.101)), (joined, at(0.102)), (joined_too, at(0.103))]
+    raced = close_layouts_to_race(close)
+    assert [p for p, _ in raced] == [finer, joined]  # the nearest each way, fastest predicted first
+    assert close_layouts_to_race([(joined_too, at(0.1)), (joined, at(0.2))]) == [(joined_too, at(0.1))]
+    assert close_layouts_to_race([]) == []

@@ -220,6 +220,17 @@ def _noise(rounds: dict[str, list[float]]) -> float:
     return statistics.median(spreads) if spreads else float("nan")
 
 
+def pair_noise(rounds: dict[str, list[float]], one: str, other: str) -> float:
+    """The noise of one comparison: the rounds are interleaved, so each round's ``one``/``other``
+    ratio is a paired measurement of it; their median absolute deviation relative to their median,
+    as a fraction.  A setting that swings more than most widens this past :func:`_noise`'s median."""
+    ratios = [a / b for a, b in zip(rounds[one], rounds[other])]
+    if len(ratios) < 2:
+        return float("nan")
+    mid = statistics.median(ratios)
+    return statistics.median(abs(x - mid) for x in ratios) / mid
+
+
 def render_row(row: dict, console=None) -> None:
     """One benchmark row: every setting's step time and its speed-up over DDP fp32."""
     console = console or Console()

@@ -62,6 +62,7 @@ from advisor.tuning.steps import (
     baseline_arms,
     candidate_labels,
     check_trial_budget,
+    close_layouts_to_race,
     decide_time_to_accuracy,
     fidelity_error,
     final_plan,
@@ -186,7 +187,8 @@ def autotune(
             (``Plan.exchange_mb``), or DDP built with smaller ones (``Plan.bucket_cap_mb``,
             measured on a shadow DDP built so); the result's ``bucket_cap_mb`` then says how
             to build DDP for the advice (:func:`advisor.ddp_for`).  A layout the model cannot
-            tell from the chosen one (within 3%) races its best plan too.
+            tell from the chosen one (within 3%) races its best plan too (the nearest joined
+            one and the nearest finer one).
 
     Returns:
         A :class:`TunedResult`: the :class:`AutotuneResult` document (``result.to_json()``,
@@ -250,11 +252,12 @@ def autotune(
 
     # 3. short-list: the search's best, a diverse uniform plan, and the baselines (on DDP's own
     # buckets); where another layout won, DDP's own buckets' best plan races beside its plans, and
-    # the best plan of the layout the model could not tell apart from the chosen one races too
+    # the best plan of each layout the model could not tell apart from the chosen one (the nearest
+    # joined one and the nearest finer one) races too
     candidates = short_list(layout_problem, layout_found, top, diverse=True)
     if layout_problem is not problem:
         candidates += short_list(problem, found, 1)
-    for other, other_found in close[:1]:
+    for other, other_found in close_layouts_to_race(close):
         candidates += short_list(other, other_found, 1)
     arms = {arm.label: arm for arm in baseline_arms(problem, sixteen)
             + [dataclasses.replace(arm, label=f"candidate {i}") for i, arm in enumerate(candidates, 1)]}

@@ -223,6 +223,18 @@ def search_layouts(policy: Policy, problem: TuningProblem, found: PolicyResult, 
     return LayoutSearch(best[0], best[1], lines, close)
 
 
+def close_layouts_to_race(close: Sequence[tuple[TuningProblem, PolicyResult]]) -> list[tuple[TuningProblem, PolicyResult]]:
+    """Of the close layouts (:attr:`LayoutSearch.close`, fastest predicted first), the ones the race
+    should settle: the nearest joined one and the nearest with DDP rebuilt finer.  The model can
+    misjudge overlap against rounds either way (more ranks than cores starve the overlap it
+    assumes), so the nearest in one direction must not shut out the other; further ones in the
+    same direction add race time for a layout that is a variant of one already racing."""
+    picked: dict[bool, tuple[TuningProblem, PolicyResult]] = {}
+    for other, found in close:
+        picked.setdefault(other.exchange_mb is not None, (other, found))
+    return sorted(picked.values(), key=lambda pr: pr[1].predicted_s)
+
+
 # --- 3. short-list ------------------------------------------------------------------------
 def sixteen_bit_baseline(problem: TuningProblem, optimizer=None) -> str | None:
     """The 16-bit cast to race: the one predicted faster; on a tie (within 2%) the one the
