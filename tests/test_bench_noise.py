@@ -11,6 +11,6 @@ def test_a_pair_is_as_noisy_as_its_per_round_ratio_not_the_median_setting():
     assert _noise(rounds) < 0.01  # most settings are steady
     assert pair_noise(rounds, "advisor", "swinging") > 0.08  # this comparison is not
     # a round that slows both settings alike is the machine, not a difference between them
-    together = {"a": [1.0, 1.5, 1.0, 2.0, 1.0], "b": [2.0, 3.0, 2.0, 4.0, 2.0]}
+    together = {"a": [1.0, 1.2, 0.9, 1.4, 1.1], "b": [2.0, 2.4, 1.8, 2.8, 2.2]}
     assert pair_noise(together, "a", "b") == 0.0 < _noise(together)
     assert math.isnan(pair_noise({"a": [1.0], "b": [2.0]}, "a", "b"))
