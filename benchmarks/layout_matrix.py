@@ -93,8 +93,13 @@ def main(argv=None) -> int:
     print(f"never slower than the best PyTorch setting beyond the noise: {'PASS' if not failed else 'FAIL: ' + named}"
           + (f" (beyond the row's noise, inside the pair's: {inside})" if inside else ""))
     median_speedup = 1 / statistics.median(x for _, _, x, _, _, _ in compared)
+    # no plan beats the compute floor, so a row's best PyTorch setting over its floor caps what any
+    # advice could gain there; where the median cap is near 1.1 the target asks for the floor itself
+    ceilings = [r["times_s"][best] / r["times_s"]["compute only"] for r, _, _, best, _, _ in compared]
     print(f"median row: advisor {median_speedup:.2f}x the best PyTorch setting (target >= 1.1): "
-          f"{'PASS' if median_speedup >= 1.1 else 'FAIL'}")
+          f"{'PASS' if median_speedup >= 1.1 else 'FAIL'}; at the compute floor the median row would be "
+          f"{statistics.median(ceilings):.2f}x, and {sum(c < 1.1 for c in ceilings)} of {len(ceilings)} rows "
+          "cannot reach 1.1x even there")
     for r, budget, _, best, setting, _ in compared:
         t = r["times_s"]
         if t[best] <= 1.05 * t["compute only"]:
