@@ -104,6 +104,7 @@ from advisor.tuning.steps import (
     baseline_arms,
     candidate_labels,
     check_trial_budget,
+    close_layouts_to_race,
     decide_time_to_accuracy,
     not_ddp,
     search,
@@ -318,12 +319,15 @@ class OnlineTuner:
         problem = TuningProblem.from_profile(profile, self.candidates, budget=self.budget)
         policy = OptunaPolicy(n_trials=self.trials)
         found = search(policy, problem, self.group)
-        # and under coarser bucket layouts; where one wins, DDP's own buckets' best races beside it
-        layout_problem, layout_found, _, _ = search_layouts(policy, problem, found, self.group, finer=False)
+        # and under coarser bucket layouts; where one wins, DDP's own buckets' best races beside it,
+        # and the nearest join the model cannot tell from the chosen layout races too (as in autotune)
+        layout_problem, layout_found, _, close = search_layouts(policy, problem, found, self.group, finer=False)
         arms = baseline_arms(problem, sixteen_bit_baseline(problem, self.optimizer))
         candidates = short_list(layout_problem, layout_found, self.top)
         if layout_problem is not problem:
             candidates += short_list(problem, found, 1)
+        for other, other_found in close_layouts_to_race(close):
+            candidates += short_list(other, other_found, 1)
         # without accuracy evidence, racing a compressed plan on the user's own steps would cost
         # accuracy for a plan that could never be installed
         left_out = candidates if self._gate_args is None else []
