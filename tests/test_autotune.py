@@ -29,16 +29,20 @@ def test_autotune_on_loopback_agrees_on_every_rank_and_leaves_the_model_untouche
     # every measured plan's case: its step speed-up over the best baseline with bounds
     assert [e.label for e in r.evidence] == [m.label for m in sorted(r.measured, key=lambda m: m.median_s)]
     assert all(e.step_low <= e.step_speedup <= e.step_high for e in r.evidence)
-    # every distinct top plan that is not a uniform baseline is measured, under its own label
+    # every distinct top plan of the search (in the layout that won it) is measured under its own
+    # label, but fp32 and a cast on DDP's own buckets (the baselines); a cast in joined exchanges is
+    # no baseline
     measured = [m.description for m in r.measured if m.kind == "candidate"]
-    expected = [d for d in r.searched_top if d not in ("none everywhere", "fp16 everywhere", "bf16 everywhere")]
+    expected = [d for d in r.searched_top
+                if d not in ("fp16 everywhere", "bf16 everywhere") and not d.startswith("none everywhere")]
     assert measured[: len(expected)] == expected and len({m.label for m in r.measured}) == len(r.measured)
-    # plus at most one uniform compressed plan, for diversity, and the best plan of at most one layout
-    # the model could not tell from DDP's own buckets (the race settles it)
+    # plus at most: one uniform compressed plan for diversity, DDP's own buckets' best where another
+    # layout won, and the best plan of the nearest joined and the nearest finer layout the model
+    # could not tell from the winner (the race settles them)
     extra = measured[len(expected):]
-    other_layout = [d for d in extra if "MiB exchanges" in d or "DDP's buckets at" in d]
-    diverse = [d for d in extra if d not in other_layout]
-    assert len(diverse) <= 1 and all(d.endswith("everywhere") for d in diverse) and len(other_layout) <= 1, extra
+    joined = [d for d in extra if "MiB exchanges" in d]
+    finer = [d for d in extra if "DDP's buckets at" in d]
+    assert len(extra) <= 4 and len(joined) <= 2 and len(finer) <= 2, extra
     # never slower than the strongest baseline it measured, beyond the noise it measured
     best_baseline = min(m.median_s for m in r.measured if m.kind != "candidate")
     assert r.measured_s(r.recommendation) <= best_baseline * (1 + max(m.noise for m in r.measured))

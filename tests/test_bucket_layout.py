@@ -48,6 +48,14 @@ def test_the_search_joins_buckets_where_rounds_dominate_and_keeps_ddps_where_ove
     assert lines[0].startswith("DDP's 50 buckets") and len(lines) >= 2
     assert chosen.plan(best.choices).exchange_mb == chosen.exchange_mb
 
+    # a 16-bit cast in joined exchanges is no baseline (those send DDP's buckets one by one):
+    # it is raced as a candidate and judged for accuracy as the cast
+    casts = TuningProblem.from_profile(small_buckets(), ["none", "bf16"], budget=0.35)
+    assert all(uniform_cast(arm) is None for arm in short_list(casts, search(GreedyPolicy(), casts), 3))
+    joined = casts.with_layout(1.0)
+    arms = short_list(joined, search(GreedyPolicy(), joined), 3)
+    assert uniform_cast(arms[0]) == "bf16" and arms[0].plan.exchange_mb == 1.0
+
     big = TuningProblem.from_profile(tuning_profile(n_buckets=12, numel=1024 * 1024), budget=0.35)
     found = search(GreedyPolicy(), big)
     chosen, best, lines, _ = search_layouts(GreedyPolicy(), big, found)

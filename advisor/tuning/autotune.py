@@ -296,7 +296,10 @@ def autotune(
 
     verdicts = trial.verdicts() if trial is not None else {}
     retime_s = sum(r.seconds for r in retimings)
-    result = _result(problem, found, top, decision, measured, rounds_s, arms, final, profile, where, layout_lines,
+    # the search's best plans, in the layout whose plans were raced first
+    searched_top = [layout_problem.describe(c) for c in layout_found.top(top)]
+    result = _result(problem, found, searched_top, decision, measured, rounds_s, arms, final, profile, where,
+                     layout_lines,
                      trial.report(problem.budget, budget_source) if trial is not None else None, budget_source,
                      plan_evidence(measured, decision, verdicts),
                      "" if accuracy_trial else "accuracy_trial=False: decided on speed per step alone",
@@ -448,7 +451,8 @@ def _earn_budget(problem, trial: LazyTrial, lossy: Sequence[str], sixteen: str |
                    f"the budget is the error of {sixteen or 'fp32'} everywhere")
 
 
-def _result(problem, found, top: int, decision, measured, rounds_s, arms: dict[str, Arm], final, profile, where: str,
+def _result(problem, found, searched_top: list[str], decision, measured, rounds_s, arms: dict[str, Arm], final,
+            profile, where: str,
             layout_lines: list[str],
             accuracy, budget_source: str, evidence, unproven: str, seconds: dict[str, float],
             retimed: list[Retiming]) -> AutotuneResult:
@@ -482,7 +486,7 @@ def _result(problem, found, top: int, decision, measured, rounds_s, arms: dict[s
         world_size=profile.environment.world_size,
         where=where,
         buckets=bucket_rows(chosen.problem, chosen.choices),
-        searched_top=[problem.describe(c) for c in found.top(top)],
+        searched_top=searched_top,
         layouts=layout_lines,
         exchange_mb=final.exchange_mb,
         measurements=_measurements(problem, arms, rounds_s, where),

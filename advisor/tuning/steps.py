@@ -261,9 +261,10 @@ def short_list(problem: TuningProblem, found: PolicyResult, top: int, *, diverse
                label: Callable[[int, str], str] | None = None) -> list[Arm]:
     """The search's ``top`` distinct plans as candidate arms, leaving out any that is a baseline.
 
-    Under a layout that rebuilds DDP's buckets (``problem.bucket_cap_mb``) a 16-bit cast
-    everywhere is no baseline (those run on the buckets DDP has) and stays; its accuracy is the
-    cast's (:meth:`LazyTrial.judge_arm`).  ``diverse`` adds the fastest feasible uniform
+    Under any layout but DDP's own buckets (joined exchanges, ``problem.exchange_mb``, or DDP
+    rebuilt, ``problem.bucket_cap_mb``) a 16-bit cast everywhere is no baseline (those run on the
+    buckets DDP has, one message each) and stays; its accuracy is the cast's
+    (:meth:`LazyTrial.judge_arm`).  ``diverse`` adds the fastest feasible uniform
     compressed plan: neighbours of one plan tend to share the model's blind spots.
     ``label(i, description)`` names the i-th candidate (from 1); by default its description.
     """
@@ -272,8 +273,8 @@ def short_list(problem: TuningProblem, found: PolicyResult, top: int, *, diverse
         uniform = [problem.uniform(c)[0] for c in problem.configs if c not in BASELINES]
         uniform = [u for u in uniform if problem.feasible(u[None, :])[0]]
         ranked += [min(uniform, key=lambda u: float(problem.predict(u[None, :])[0]))] if uniform else []
-    seen = {problem.uniform(c)[0].tobytes() for c in problem.baselines()
-            if problem.bucket_cap_mb is None or c not in SIXTEEN_BIT_CASTS}
+    own_buckets = problem.bucket_cap_mb is None and problem.exchange_mb is None
+    seen = {problem.uniform(c)[0].tobytes() for c in problem.baselines() if own_buckets or c not in SIXTEEN_BIT_CASTS}
     arms: list[Arm] = []
     for choices in ranked:
         if choices.tobytes() in seen:
