@@ -353,6 +353,25 @@ def test_without_an_optimizer_no_compressed_plan_can_be_proven():
     assert decision.chosen == "bf16" and all("no optimizer" in r for r in rejected)
 
 
+def test_without_an_optimizer_a_cast_in_another_layout_stands_as_the_cast_does():
+    from constructed import tuning_profile
+
+    from advisor.tuning.steps import short_list
+    from policies.greedy import GreedyPolicy
+    from policies.problem import TuningProblem
+
+    problem = TuningProblem.from_profile(tuning_profile(n_buckets=4, numel=1024 * 1024), ["none", "bf16"], budget=0.3)
+    joined = problem.with_layout(64.0)
+    cast_arm = short_list(joined, GreedyPolicy().search(joined), 1)[0]
+    # "c1", the fastest, is bf16 everywhere in joined exchanges; "c2" is a compressed plan
+    arms = {"c1": dataclasses.replace(cast_arm, label="c1")}
+    decision, _, rejected = decide_time_to_accuracy(MEASURED, unprovable("no optimizer", arms))
+    assert decision.chosen == "c1" and not rejected
+    # without the race's arms the judge cannot tell the cast from a compressed plan
+    decision, _, rejected = decide_time_to_accuracy(MEASURED, unprovable("no optimizer"))
+    assert decision.chosen == "bf16" and any(r.startswith("c1: not proven") for r in rejected)
+
+
 def test_a_cast_in_smaller_buckets_is_installed_on_its_step_speed_up_with_the_casts_verdict():
     # "c1" runs bf16 everywhere on smaller DDP buckets: judged as the cast, which carries no efficiency
     cast_verdict = verdict("bf16", gate.ACCEPTED)

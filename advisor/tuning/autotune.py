@@ -273,7 +273,7 @@ def autotune(
     if trial is not None:
         judge = lambda d: trial.judge_arm(arms[d.chosen])  # noqa: E731
     elif accuracy_trial:
-        judge = unprovable("no optimizer was given, so no accuracy trial could run; pass the training optimizer")
+        judge = unprovable("no optimizer was given, so no accuracy trial could run; pass the training optimizer", arms)
     else:
         judge = None
     retimings: list[Retiming] = []

@@ -597,10 +597,15 @@ def time_to_accuracy(decision: Decision, arm) -> evidence.Estimate | None:
     return evidence.time_to_accuracy(decision.step_speedup(), efficiency) if efficiency is not None else None
 
 
-def unprovable(why: str) -> Callable[[Decision], Any]:
-    """A judge for when no accuracy trial can run: casts stand, compressed plans are not proven."""
+def unprovable(why: str, arms: Mapping[str, Arm] | None = None) -> Callable[[Decision], Any]:
+    """A judge for when no accuracy trial can run: casts stand, compressed plans are not proven.
+
+    ``arms`` (the race's, by label) lets a 16-bit cast in another bucket layout (a candidate)
+    stand as the cast does: the layout changes how gradients cross, not what arrives.
+    """
     def judge(decision: Decision):
-        kind = _trial_kind(decision.kind)
+        arm = arms.get(decision.chosen) if arms is not None else None
+        kind = gate.SIXTEEN_BIT if arm is not None and uniform_cast(arm) is not None else _trial_kind(decision.kind)
         status = gate.ACCEPTED if kind == gate.SIXTEEN_BIT else gate.NOT_PROVEN
         return ArmResult(decision.chosen, kind, decision.chosen, [], 0.0, status == gate.ACCEPTED,
                          f"{decision.chosen}: " + ("a 16-bit cast, not trialled" if status == gate.ACCEPTED

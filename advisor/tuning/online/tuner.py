@@ -397,7 +397,7 @@ class OnlineTuner:
         The trial starts (its two fp32 arms) only when a plan other than fp32 wins on speed.
         """
         if self._gate_args is None:
-            return unprovable("wrap was given no loss_fn and batches")
+            return unprovable("wrap was given no loss_fn and batches", race.arms)
         trial = LazyTrial(self._trial(arms_expected=2 + len(race.arms) - 1), self._problem,
                           lambda msg: log.info("step %d: %s", self.step, msg))
         statuses = self._verdicts
