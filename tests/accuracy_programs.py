@@ -120,3 +120,41 @@ def checkpoints_twice(rank: int, world: int, spec: str, first_evaluation_s: floa
         report = trial.start()
         out.append((report.checkpoints, report.evaluation_steps, report.evaluation_cost))
     return out
+
+
+def _digits_with_batchnorm():
+    """The digits workload with a BatchNorm layer: running statistics DDP broadcasts from rank 0."""
+    import torch.nn as nn
+
+    workload = build_workload(DIGITS)
+    torch.manual_seed(0)
+    workload.model = nn.Sequential(nn.Flatten(), nn.Linear(64, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Linear(128, 10))
+    return workload
+
+
+def exchange_free_beside_ddp(rank: int, world: int, batchnorm: bool, steps: int):
+    """The same trial twice, its arms on DDP shadows and then exchange-free; each report's curves.
+
+    The exchange-free trial also trains a lossy plan (on a real DDP shadow, beside the others)."""
+    from advisor.testbed.workloads import shard
+    from policies import accuracy_gate as gate
+
+    workload = _digits_with_batchnorm() if batchnorm else build_workload(DIGITS)
+    ddp = DDP(workload.model)
+    opt = workload.make_optimizer(ddp.module.parameters())
+    for batch in shard(workload.batches, rank, world)[:2]:
+        opt.zero_grad()
+        workload.loss_fn(ddp, batch).backward()
+        opt.step()
+    before = _state(ddp.module, opt)
+    out = {}
+    for free in (False, True):
+        trial = AccuracyTrial(ddp, workload.loss_fn, shard(workload.batches, rank, world), opt,
+                              held_out=workload.held_out, max_steps=steps, time_budget_s=None, judge_unpowered=True,
+                              exchange_free=free)
+        report = trial.start()
+        trial.trial("fp16", Plan.uniform("fp16", warmup_steps=0), gate.SIXTEEN_BIT)
+        if free:
+            trial.trial("powersgd", Plan.uniform("powersgd(rank=1)", warmup_steps=0), gate.CANDIDATE)
+        out[free] = report
+    return {"real": out[False], "free": out[True], "unchanged": _same(before, _state(ddp.module, opt))}

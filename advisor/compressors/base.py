@@ -228,6 +228,10 @@ class Compressor(ABC):
     #: compressor then sets ``ctx.nonfinite`` and leaves ``out`` as it was.  The runtime then
     #: needs neither a scan of the input nor the flag element.
     checks_combined: bool = False
+    #: Whether each element of the mean depends only on the same element of every rank's input
+    #: (fp32, 16-bit casts): such an exchange can be replayed one parameter at a time, whatever
+    #: the bucket layout (the accuracy trial's exchange-free arms do).
+    elementwise: bool = False
 
     def __init__(self, error_feedback: bool | None = None) -> None:
         self.error_feedback = self.lossy if error_feedback is None else bool(error_feedback)

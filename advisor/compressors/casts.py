@@ -16,6 +16,7 @@ class NoCompression(Compressor):
 
     name = "none"
     lossy = False
+    elementwise = True
 
     def exchange(self, inp, out, layout, state, ctx) -> Exchange:
         if inp.data_ptr() != out.data_ptr():
@@ -45,6 +46,7 @@ class _Cast(Compressor):
     """
 
     lossy = False
+    elementwise = True
     detects_nonfinite = True
     checks_combined = True
     dtype: torch.dtype = torch.float16

@@ -132,6 +132,12 @@ def render_accuracy(report, console) -> None:
         console.print(f"One evaluation costs about {report.evaluation_steps:.2g} training steps ({report.evaluation_cost}); "
                       f"so {len(report.checkpoints) - 1} checkpoints: steps {', '.join(map(str, report.checkpoints[1:6]))}"
                       f"{' ... ' + str(report.checkpoints[-1]) if len(report.checkpoints) > 6 else ''}")
+    if report.exchange_free:
+        console.print("The fp32 arms and 16-bit casts trained exchange-free: each rank computed every rank's "
+                      f"gradients from the gathered batches, and no gradient crossed the link"
+                      f"{' (' + report.exchange_reason + ')' if report.exchange_reason else ''}")
+    elif report.exchange_reason:
+        console.print(f"Every arm exchanged its gradients over the link ({report.exchange_reason})")
     if not report.powered:
         console.print(f"To prove more: {report.what_would_prove()}")
     for warning in report.warnings:

@@ -39,6 +39,7 @@ from advisor.core.collectives import every_rank, mean_over_ranks, rank, slowest,
 from advisor.core.documents import check_int
 from advisor.runtime import Plan, install
 from advisor.tuning.data import BatchStream, draw_on_every_rank, set_aside_on_every_rank
+from advisor.tuning.exchange_free import ExchangeFreeArm, is_elementwise, supports_exchange_free
 from advisor.tuning.live import LossFn, shadow_ddp
 from policies import accuracy_gate as gate
 from policies import evidence
@@ -158,6 +159,10 @@ class AccuracyTrialReport:
     #: "counted" from the held-out batches, or "timed" for the user's ``evaluate`` (None: not known)
     evaluation_steps: float | None = None
     evaluation_cost: str = ""
+    #: whether the fp32 arms and 16-bit casts trained exchange-free: every rank computed every
+    #: rank's gradients, and no gradient crossed the link (:mod:`advisor.tuning.exchange_free`)
+    exchange_free: bool = False
+    exchange_reason: str = ""
 
     @property
     def informative(self) -> bool:
@@ -208,12 +213,14 @@ class AccuracyTrialReport:
 class TrialArm:
     """One shadow the trial trains: ``model`` (stepped), ``module`` (evaluated: the model without a
     wrapper that would run collectives of its own), its ``optimizer``, and ``close()`` to remove
-    whatever was installed on it."""
+    whatever was installed on it.  ``train(batch, start, count)``, where given, trains it instead
+    of the usual loop over ``loss_fn(model, batch(i)).backward()`` and ``optimizer.step()``."""
 
     model: nn.Module
     module: nn.Module
     optimizer: torch.optim.Optimizer
     close: Callable[[], None]
+    train: Callable[[Callable[[int], Any], int, int], None] | None = None
 
 
 class AccuracyTrial:
@@ -233,6 +240,10 @@ class AccuracyTrial:
     extrapolated.  ``se_floor`` bounds the noise from below (two fp32 arms can agree
     exactly, with one batch for example).  ``judge_unpowered``: train lossy plans even in a
     trial that is not powered, to measure their gaps (they are still never accepted).
+    ``exchange_free``: train the fp32 arms and elementwise plans (16-bit casts) with every
+    rank's gradients computed on each rank, so none crosses the link
+    (:mod:`advisor.tuning.exchange_free`; for a slow link, where that is cheaper);
+    ``exchange_reason``: why the arms exchange as they do, for the report.
     """
 
     def __init__(self, ddp: DistributedDataParallel | nn.Module, loss_fn: LossFn, batches: Iterable[Any] | BatchStream,
@@ -243,7 +254,8 @@ class AccuracyTrial:
                  stop_behind: float = 4.0, time_budget_s: float | None = 60.0, budget_steps: int | None = None,
                  horizon: int | None = None, arms_expected: int = 6, judge_unpowered: bool = False, group=None,
                  progress: Callable[[str], None] | None = None,
-                 shadows: Callable[[Plan | None], TrialArm] | None = None) -> None:
+                 shadows: Callable[[Plan | None], TrialArm] | None = None, exchange_free: bool = False,
+                 exchange_reason: str = "") -> None:
         if shadows is None and not isinstance(ddp, DistributedDataParallel):
             raise TypeError(f"the accuracy trial needs a DistributedDataParallel model (or shadows= that copies "
                             f"another kind), got {type(ddp).__name__}")
@@ -265,6 +277,15 @@ class AccuracyTrial:
         if not 0 <= se_floor < 1:
             raise ValueError(f"se_floor={se_floor!r}; allowed: 0 <= se_floor < 1")
         check_evaluate(evaluate)
+        if exchange_free:
+            if shadows is not None:
+                raise ValueError("exchange_free=True trains copies of a DDP model's module; it does not apply to "
+                                 "shadows= of another kind (leave exchange_free=False)")
+            supported, why = supports_exchange_free(ddp)
+            if not supported:
+                raise ValueError(f"exchange_free=True cannot replay this model's exchange: {why}; leave "
+                                 "exchange_free=False")
+        self.exchange_free, self.exchange_reason = bool(exchange_free), str(exchange_reason)
         self.ddp, self.loss_fn, self.optimizer, self.group = ddp, loss_fn, optimizer, group
         self._shadows = shadows or self._ddp_shadow
         self.metric = metric
@@ -290,7 +311,7 @@ class AccuracyTrial:
         # (_timed_evaluation_cost), robustly and coarsely
         eval_steps = slowest([len(eval_batches)], self.group)[0] / 3 if eval_batches is not None else None
         eval_cost = "counted" if eval_steps is not None else "timed"
-        ref, noise_arm = self._shadows(None), self._shadows(None)
+        ref, noise_arm = self._arm(None), self._arm(None)
         eval_times: list[float] = []
         first = self._checkpoint([ref.module, noise_arm.module], initial=True, times=eval_times)
         self.initial = first[0]
@@ -299,8 +320,8 @@ class AccuracyTrial:
         was_powered = is_powered = False
         while True:
             draw_on_every_rank(self.stream, step + chunk, self.group)
-            self._steps(ref.model, ref.optimizer, self.stream.train, step, chunk)
-            self._steps(noise_arm.model, noise_arm.optimizer, self.stream.other_order, step, chunk)
+            self._steps(ref, self.stream.train, step, chunk)
+            self._steps(noise_arm, self.stream.other_order, step, chunk)
             first_chunk = step == 0
             step += chunk
             values = self._checkpoint([ref.module, noise_arm.module], times=eval_times)
@@ -348,7 +369,8 @@ class AccuracyTrial:
             steps_needed=max(noise.steps_to_detect(step, self.tolerance), gate.MIN_PROOF_STEPS), kappa=kappa,
             kappa_se=kappa_se,
             progress=learned, held_out=held_out, length_reason=why, seconds=0.0, horizon=self.horizon,
-            warnings=notes, evaluation_steps=eval_steps, evaluation_cost=eval_cost)
+            warnings=notes, evaluation_steps=eval_steps, evaluation_cost=eval_cost, exchange_free=self.exchange_free,
+            exchange_reason=self.exchange_reason)
         seconds = self._elapsed(t0)
         self._report.arms.append(ArmResult("fp32", gate.REFERENCE, "fp32 (native DDP)", curves[0], seconds / 2,
                                            True, "the reference", 0.0, 0.0, efficiency=1.0, efficiency_se=0.0))
@@ -421,7 +443,7 @@ class AccuracyTrial:
             return arm
         self.say(f"accuracy trial: {label} ({report.steps} steps)")
         t0 = time.perf_counter()
-        shadow = self._shadows(plan)
+        shadow = self._arm(plan)
         reference = report.arm("fp32").values
         late = set(evidence.late_window(report.checkpoints))
         limit = self.stop_behind * max(report.tolerance, report.detectable)
@@ -429,7 +451,7 @@ class AccuracyTrial:
         try:
             curve = [self.initial]
             for i, start in enumerate(report.checkpoints[:-1]):
-                self._steps(shadow.model, shadow.optimizer, self.stream.train, start, report.checkpoints[i + 1] - start)
+                self._steps(shadow, self.stream.train, start, report.checkpoints[i + 1] - start)
                 curve.append(self._checkpoint([shadow.module])[0])
                 if i + 1 in late and i + 2 < len(report.checkpoints):
                     behind = evidence.signed_relative(curve[-1:], reference[i + 1 : i + 2], self.higher)[0]
@@ -499,7 +521,19 @@ class AccuracyTrial:
         hook = install(model, plan, group=self.group) if plan is not None else None
         return TrialArm(model, model.module, opt, hook.close if hook is not None else lambda: None)
 
-    def _steps(self, model, opt, batch: Callable[[int], Any], start: int, count: int) -> None:
+    def _arm(self, plan: Plan | None) -> TrialArm:
+        """The arm that trains ``plan`` (None: fp32): exchange-free where asked and the plan's exchange
+        is elementwise, else a shadow."""
+        if self.exchange_free and is_elementwise(plan):
+            arm = ExchangeFreeArm(self.ddp, self.loss_fn, self.optimizer, plan, self.group)
+            return TrialArm(arm.model, arm.module, arm.optimizer, arm.close, arm.train)
+        return self._shadows(plan)
+
+    def _steps(self, arm: TrialArm, batch: Callable[[int], Any], start: int, count: int) -> None:
+        if arm.train is not None:
+            arm.train(batch, start, count)
+            return
+        model, opt = arm.model, arm.optimizer
         for i in range(start, start + count):
             opt.zero_grad(set_to_none=True)
             self.loss_fn(model, batch(i)).backward()

@@ -45,12 +45,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from advisor.compressors.registry import parse
-from advisor.core.collectives import rank
+from advisor.core.collectives import rank, slowest
 from advisor.core.documents import check_int
 from advisor.core.speedups import speedups
 from advisor.runtime import Plan, install
 from advisor.tuning.accuracy import AccuracyTrial, Evaluator, check_evaluate
 from advisor.tuning.data import BatchStream, draw_on_every_rank, set_aside_on_every_rank
+from advisor.tuning.exchange_free import batch_bytes, exchange_free_pays, supports_exchange_free
 from advisor.tuning.live import LossFn, measure_plans
 from advisor.tuning.results import AutotuneResult, TunedResult, bucket_rows, plan_evidence
 from advisor.tuning.steps import (
@@ -341,8 +342,22 @@ def _accuracy_trial(ddp_model, loss_fn, batches, optimizer, problem, earn: bool,
     """The trial that gates every plan, sized for the arms it will likely run."""
     lossy = [c for c in problem.configs if c not in BASELINES]
     probes = math.ceil(math.log2(len(lossy) + 1)) if earn else 0
+    if "exchange_free" not in options:  # trial_options= may decide it
+        free, why = _exchange_free_choice(ddp_model, problem, batches, options.get("group"))
+        options = {**options, "exchange_free": free, "exchange_reason": why}
+        say(f"accuracy trial: {'exchange-free' if free else 'arms exchange over the link'} ({why})")
     return LazyTrial(AccuracyTrial(ddp_model, loss_fn, batches, optimizer, arms_expected=3 + probes + 1, **options),
                      problem, say)
+
+
+def _exchange_free_choice(ddp_model, problem, stream: BatchStream, group) -> tuple[bool, str]:
+    """Whether the trial's fp32 arms and casts train exchange-free, and why; the same on every rank
+    (the shared profile's prediction, and the largest batch any rank holds)."""
+    supported, why_not = supports_exchange_free(ddp_model)
+    one_batch = slowest([float(batch_bytes(stream.train(0)))], group)[0]
+    if not supported:
+        return False, why_not
+    return exchange_free_pays(problem.model, int(one_batch))
 
 
 def _set_budget(problem, trial: LazyTrial | None, policy: Policy, sixteen: str | None, earn: bool, optimizer,

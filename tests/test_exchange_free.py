@@ -1,0 +1,65 @@
+"""Exchange-free trial arms: they train what DDP trains, and run only where they are cheaper."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from accuracy_programs import exchange_free_beside_ddp
+from constructed import tuning_profile
+
+from advisor.perfmodel.model import PerformanceModel
+from advisor.runtime import Plan
+from advisor.testbed.launch import launch_local
+from advisor.tuning.exchange_free import batch_bytes, exchange_free_pays, is_elementwise
+
+
+def test_only_fp32_and_16_bit_casts_are_replayed_exchange_free():
+    assert is_elementwise(None), "native fp32"
+    assert is_elementwise(Plan.uniform("fp16")) and is_elementwise(Plan.uniform("bf16"))
+    assert is_elementwise(Plan.from_assignments({"l0.weight": "bf16"}))
+    for lossy in ("powersgd(rank=1)", "topk(ratio=0.01)", "intquant(bits=8)"):
+        assert not is_elementwise(Plan.uniform(lossy)), lossy
+    assert not is_elementwise(Plan.from_assignments({"l0.weight": "fp16", "l1.weight": "powersgd(rank=1)"}))
+
+
+def test_exchange_free_arms_run_where_the_link_costs_more_than_the_extra_compute():
+    import torch
+
+    one_batch = batch_bytes((torch.zeros(32, 64), torch.zeros(32, dtype=torch.long)))
+    assert one_batch == 32 * 64 * 4 + 32 * 8
+    slow = PerformanceModel(tuning_profile(rate=1e8))  # 52 MB of fp32 gradients over 100 Mbit/s
+    pays, why = exchange_free_pays(slow, one_batch)
+    assert pays, why
+    assert "exchange-free" in why and "over the link" in why
+    fast = PerformanceModel(tuning_profile(rate=1e12))  # the link is no cost: twice the compute is
+    pays, why = exchange_free_pays(fast, one_batch)
+    assert not pays, why
+    one_rank = PerformanceModel(tuning_profile(rate=1e8, world=1))
+    assert exchange_free_pays(one_rank, one_batch) == (False, "one rank: nothing crosses a link")
+    # a batch as large as the gradients costs more to gather than the exchange it saves
+    assert not exchange_free_pays(slow, 60 * 1024 * 1024)[0]
+
+
+def _worst_relative(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b), (a, b)
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batchnorm", [False, True], ids=["conv net", "with BatchNorm"])
+def test_an_exchange_free_trial_trains_the_curves_ddp_trains(batchnorm):
+    out = launch_local(exchange_free_beside_ddp, 2, (batchnorm, 24), timeout=300)
+    assert all(o["unchanged"] for o in out), "neither trial may step the user's model or optimizer"
+    real, free = out[0]["real"], out[0]["free"]
+    assert out[1]["free"].arm("fp32").values == free.arm("fp32").values, "every rank holds the same numbers"
+    assert free.exchange_free and not real.exchange_free
+    assert free.checkpoints == real.checkpoints
+    # two ranks: a sum of two numbers has one order, so DDP's arithmetic is replayed exactly; the
+    # bound leaves room only for a library summing in another order
+    for label in ("fp32", "fp32 (other order)", "fp16"):
+        worst = _worst_relative(free.arm(label).values, real.arm(label).values)
+        assert worst < 1e-5, (label, free.arm(label).values, real.arm(label).values)
+    lossy = free.arm("powersgd")
+    assert lossy.values and all(math.isfinite(v) for v in lossy.values), "a lossy plan trains on a real shadow beside"
+    assert free.arm("fp32").values != free.arm("fp32 (other order)").values, "the pair still sees two orders"
