@@ -22,13 +22,13 @@ import time
 
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from advisor.perfmodel import PerformanceModel
 from advisor.runtime import Plan
 from advisor.testbed.emulated import run_ranks, unavailable_reason
 from advisor.testbed.workloads import build_workload, shard
 from advisor.tuning.accuracy import AccuracyTrial
 from advisor.tuning.exchange_free import batch_bytes, exchange_free_pays
 from policies import accuracy_gate as gate
-from policies.problem import TuningProblem
 from profilers.cluster import profile_cluster
 
 TASKS = {"tlm": "benchmarks.time_to_accuracy:tlm_sgd", "rnn": "benchmarks.time_to_accuracy:rnn_sgd",
@@ -43,8 +43,7 @@ def _rank(rank: int, world: int, spec: str, steps: int, where: str) -> dict:
     batches = shard(workload.batches, rank, world)
     profile = profile_cluster(ddp, workload.loss_fn, list(batches)[:4], opt, configs=["fp16"], note=where,
                               network_budget_s=15.0)
-    problem = TuningProblem.from_profile(profile, ["none", "fp16"])
-    pays, why = exchange_free_pays(problem.model, batch_bytes(list(batches)[0]))
+    pays, why = exchange_free_pays(PerformanceModel(profile), batch_bytes(list(batches)[0]))
     out = {"predicted_pays": pays, "why": why, "where": where}
     for free in (False, True):
         # a fixed length: a tolerance no trial this short can see keeps both trials from stopping early
