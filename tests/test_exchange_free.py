@@ -63,3 +63,18 @@ def test_an_exchange_free_trial_trains_the_curves_ddp_trains(batchnorm):
     lossy = free.arm("powersgd")
     assert lossy.values and all(math.isfinite(v) for v in lossy.values), "a lossy plan trains on a real shadow beside"
     assert free.arm("fp32").values != free.arm("fp32 (other order)").values, "the pair still sees two orders"
+
+
+def test_a_batch_sliced_from_a_corpus_gathers_its_own_bytes_not_the_corpus():
+    import pickle
+
+    import torch
+
+    from advisor.tuning.exchange_free import _to_cpu
+
+    corpus = torch.arange(1_000_000)
+    batch = (corpus[:512].view(8, 64), {"mask": corpus[1000:1064]})
+    assert len(pickle.dumps(batch)) > 8_000_000, "a pickled view carries its whole storage"
+    sent = _to_cpu(batch)
+    assert len(pickle.dumps(sent)) < 10_000
+    assert torch.equal(sent[0], batch[0]) and torch.equal(sent[1]["mask"], batch[1]["mask"])

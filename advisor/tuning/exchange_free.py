@@ -198,5 +198,8 @@ def _flat_gradient(p: torch.nn.Parameter) -> torch.Tensor:
 
 
 def _to_cpu(batch: Any) -> Any:
-    """A batch with its tensors on the CPU, to pickle for the gather whatever device each rank holds."""
-    return tree_map(lambda t: t.detach().cpu() if torch.is_tensor(t) else t, batch)
+    """A batch with its tensors on the CPU, to pickle for the gather whatever device each rank holds;
+    copied, since a pickled view carries its whole storage (a batch sliced from a corpus would
+    send the corpus)."""
+    return tree_map(lambda t: t.detach().to("cpu").clone(memory_format=torch.contiguous_format)
+                    if torch.is_tensor(t) else t, batch)
