@@ -78,3 +78,22 @@ def test_a_batch_sliced_from_a_corpus_gathers_its_own_bytes_not_the_corpus():
     sent = _to_cpu(batch)
     assert len(pickle.dumps(sent)) < 10_000
     assert torch.equal(sent[0], batch[0]) and torch.equal(sent[1]["mask"], batch[1]["mask"])
+
+
+def test_on_a_slow_link_the_trials_share_of_the_run_is_priced_in_time_and_buys_more_steps():
+    from advisor.tuning.autotune import priced_trial_budget
+    from policies.problem import TuningProblem
+
+    slow = TuningProblem.from_profile(tuning_profile(rate=1e8))
+    free_s = 0.15  # an exchange-free fp32 step, far below fp32's seconds over this link
+    steps, why = priced_trial_budget(slow, 600, 7, "fp16", free_s)
+    assert steps > 600 and "exchange-free" in why and "600 run steps" in why, why
+    over_the_link, why_link = priced_trial_budget(slow, 600, 7, "fp16", None)
+    assert 600 <= over_the_link < steps, "dense arms over the link cost more, so they buy fewer steps"
+    # priced at the slowest lossy plan, the trial's arm-steps cost no more than the run's share
+    run_s = min(float(slow.predict(slow.uniform(c))[0]) for c in ("none", "fp16"))
+    lossy_s = max(float(slow.predict(slow.uniform(c))[0]) for c in slow.configs if c not in ("none", "fp16", "bf16"))
+    assert steps / 7 * (3 * free_s + 4 * lossy_s) <= 600 * run_s * 1.001
+    fast = TuningProblem.from_profile(tuning_profile(rate=1e12))
+    assert priced_trial_budget(fast, 600, 7, "fp16", None) == (600, "a share of the run"), \
+        "where the trial's steps cost a run step or more, the budget stays one of steps"

@@ -243,7 +243,8 @@ class AccuracyTrial:
     ``exchange_free``: train the fp32 arms and elementwise plans (16-bit casts) with every
     rank's gradients computed on each rank, so none crosses the link
     (:mod:`advisor.tuning.exchange_free`; for a slow link, where that is cheaper);
-    ``exchange_reason``: why the arms exchange as they do, for the report.
+    ``exchange_reason``: why the arms exchange as they do, for the report.  ``budget_reason``:
+    how ``budget_steps`` was found, for the report.
     """
 
     def __init__(self, ddp: DistributedDataParallel | nn.Module, loss_fn: LossFn, batches: Iterable[Any] | BatchStream,
@@ -255,7 +256,7 @@ class AccuracyTrial:
                  horizon: int | None = None, arms_expected: int = 6, judge_unpowered: bool = False, group=None,
                  progress: Callable[[str], None] | None = None,
                  shadows: Callable[[Plan | None], TrialArm] | None = None, exchange_free: bool = False,
-                 exchange_reason: str = "") -> None:
+                 exchange_reason: str = "", budget_reason: str = "a share of the run") -> None:
         if shadows is None and not isinstance(ddp, DistributedDataParallel):
             raise TypeError(f"the accuracy trial needs a DistributedDataParallel model (or shadows= that copies "
                             f"another kind), got {type(ddp).__name__}")
@@ -286,6 +287,7 @@ class AccuracyTrial:
                 raise ValueError(f"exchange_free=True cannot replay this model's exchange: {why}; leave "
                                  "exchange_free=False")
         self.exchange_free, self.exchange_reason = bool(exchange_free), str(exchange_reason)
+        self.budget_reason = str(budget_reason)
         self.ddp, self.loss_fn, self.optimizer, self.group = ddp, loss_fn, optimizer, group
         self._shadows = shadows or self._ddp_shadow
         self.metric = metric
@@ -419,7 +421,7 @@ class AccuracyTrial:
         rooms = [(self.max_steps - step, f"max_steps={self.max_steps}")]
         if self.budget_steps is not None:
             rooms.append((self.budget_steps // self.arms_expected - step,
-                          f"the step budget ({self.budget_steps} steps for {self.arms_expected} arms, a share of the run)"))
+                          f"the step budget ({self.budget_steps} steps for {self.arms_expected} arms, {self.budget_reason})"))
         if self.time_budget_s is not None:
             arm_step_s = self._elapsed(t0) / 2 / step  # both fp32 arms so far, evaluation included
             rooms.append((math.floor(self.time_budget_s / (self.arms_expected * max(arm_step_s, 1e-9))) - step,

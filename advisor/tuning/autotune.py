@@ -51,7 +51,7 @@ from advisor.core.speedups import speedups
 from advisor.runtime import Plan, install
 from advisor.tuning.accuracy import AccuracyTrial, Evaluator, check_evaluate
 from advisor.tuning.data import BatchStream, draw_on_every_rank, set_aside_on_every_rank
-from advisor.tuning.exchange_free import batch_bytes, exchange_free_pays, supports_exchange_free
+from advisor.tuning.exchange_free import batch_bytes, exchange_free_pays, exchange_free_step_s, supports_exchange_free
 from advisor.tuning.live import LossFn, measure_plans
 from advisor.tuning.results import AutotuneResult, TunedResult, bucket_rows, plan_evidence
 from advisor.tuning.steps import (
@@ -234,9 +234,9 @@ def autotune(
     sixteen = sixteen_bit_baseline(problem, optimizer)
     trial = None
     if gated:
-        trial = _accuracy_trial(ddp_model, loss_fn, stream, optimizer, problem, earn,
+        trial = _accuracy_trial(ddp_model, loss_fn, stream, optimizer, problem, earn, sixteen,
+                                trial_budget(expected_steps, trial_share, trial_s),
                                 dict(evaluate=evaluate, held_out=held_out, metric=metric, tolerance=tolerance,
-                                     **trial_budget(expected_steps, trial_share, trial_s),
                                      group=group, progress=say, **dict(trial_options or {})), say)
     budget_source = _set_budget(problem, trial, chosen_policy, sixteen, earn, optimizer, reference, budget, group)
     t_trialled = time.perf_counter()
@@ -338,26 +338,68 @@ def _checked_arguments(ddp_model, candidates, budget, reference, trials, top, ro
     return labels, earn
 
 
-def _accuracy_trial(ddp_model, loss_fn, batches, optimizer, problem, earn: bool, options: dict, say) -> LazyTrial:
-    """The trial that gates every plan, sized for the arms it will likely run."""
+def _accuracy_trial(ddp_model, loss_fn, batches, optimizer, problem, earn: bool, sixteen: str | None, budget: dict,
+                    options: dict, say) -> LazyTrial:
+    """The trial that gates every plan, sized for the arms it will likely run: ``budget`` (from
+    :func:`trial_budget`) priced in time where the run's length is known, then ``options``
+    (``trial_options=`` among them, which may set any of it)."""
     lossy = [c for c in problem.configs if c not in BASELINES]
     probes = math.ceil(math.log2(len(lossy) + 1)) if earn else 0
-    if "exchange_free" not in options:  # trial_options= may decide it
-        free, why = _exchange_free_choice(ddp_model, problem, batches, options.get("group"))
+    arms = 3 + probes + 1
+    group = options.get("group")
+    one_batch = int(slowest([float(batch_bytes(batches.train(0)))], group)[0])
+    if "exchange_free" not in options:
+        free, why = _exchange_free_choice(ddp_model, problem, one_batch)
         options = {**options, "exchange_free": free, "exchange_reason": why}
         say(f"accuracy trial: {'exchange-free' if free else 'arms exchange over the link'} ({why})")
-    return LazyTrial(AccuracyTrial(ddp_model, loss_fn, batches, optimizer, arms_expected=3 + probes + 1, **options),
+    if budget.get("budget_steps") is not None:
+        dense_s = exchange_free_step_s(problem.model, one_batch) if options.get("exchange_free") else None
+        steps, why = priced_trial_budget(problem, budget["budget_steps"], arms, sixteen, dense_s)
+        budget = {**budget, "budget_steps": steps, "budget_reason": why}
+    options = {**budget, **options}
+    return LazyTrial(AccuracyTrial(ddp_model, loss_fn, batches, optimizer, arms_expected=arms, **options),
                      problem, say)
 
 
-def _exchange_free_choice(ddp_model, problem, stream: BatchStream, group) -> tuple[bool, str]:
+def priced_trial_budget(problem, share_steps: int, arms: int, sixteen: str | None,
+                        exchange_free_s: float | None) -> tuple[int, str]:
+    """The trial's budget in arm-steps, and how it was found: ``share_steps`` training steps' worth
+    of the run's *time*, where the trial's steps are predicted cheaper than the run's.
+
+    A run step costs the best baseline's predicted step.  The trial's arms, priced from the same
+    profile: the fp32 pair and the 16-bit arm at an exchange-free step (``exchange_free_s``) or
+    over the link, and every lossy arm at the slowest uniform lossy plan (the arms it will
+    train are not known yet; all of them compress).  It is never less than ``share_steps``:
+    on a fast link the trial's arms may cost more than a run step, and the budget stays one
+    of steps.  Predictions from the shared profile, so every rank finds the same.
+    """
+    def step_s(config: str) -> float:
+        return float(problem.predict(problem.uniform(config))[0])
+
+    casts = [c for c in [sixteen] if c is not None]
+    run_s = min(step_s(c) for c in ["none", *casts])
+    dense = exchange_free_s if exchange_free_s is not None else step_s("none")
+    cast = exchange_free_s if exchange_free_s is not None else (step_s(sixteen) if sixteen else dense)
+    lossy = [c for c in problem.configs if c not in BASELINES]
+    lossy_s = max((step_s(c) for c in lossy), default=run_s)
+    arm_s = (2 * dense + cast + max(arms - 3, 0) * lossy_s) / arms
+    priced = math.floor(share_steps * run_s / arm_s)
+    plain = "a share of the run"
+    if priced <= share_steps:
+        return share_steps, plain
+    return priced, (f"{plain}'s time: {share_steps} run steps of {run_s * 1e3:.0f} ms, the trial's arm-steps "
+                    f"predicted at {arm_s * 1e3:.0f} ms on average (fp32 {dense * 1e3:.0f} ms"
+                    f"{', exchange-free' if exchange_free_s is not None else ''}; lossy plans at most "
+                    f"{lossy_s * 1e3:.0f} ms)")
+
+
+def _exchange_free_choice(ddp_model, problem, one_batch_bytes: int) -> tuple[bool, str]:
     """Whether the trial's fp32 arms and casts train exchange-free, and why; the same on every rank
     (the shared profile's prediction, and the largest batch any rank holds)."""
     supported, why_not = supports_exchange_free(ddp_model)
-    one_batch = slowest([float(batch_bytes(stream.train(0)))], group)[0]
     if not supported:
         return False, why_not
-    return exchange_free_pays(problem.model, int(one_batch))
+    return exchange_free_pays(problem.model, one_batch_bytes)
 
 
 def _set_budget(problem, trial: LazyTrial | None, policy: Policy, sixteen: str | None, earn: bool, optimizer,

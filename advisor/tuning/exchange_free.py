@@ -91,13 +91,19 @@ def exchange_free_pays(model, one_batch_bytes: int) -> tuple[bool, str]:
     world = model.world
     if world < 2:
         return False, "one rank: nothing crosses a link"
-    local = world * (model.forward_s + model.backward_s) + model.optimizer_s
     gather = float(model.network.seconds(Collective.ALL_GATHER, one_batch_bytes))
     real = float(model.predict(Plan.uniform("none", warmup_steps=0)).iteration_s)
-    free = local + gather
+    free = exchange_free_step_s(model, one_batch_bytes)
     pays = free < PAYS_BELOW * real
     return pays, (f"predicted {free * 1e3:.0f} ms a step exchange-free ({world} ranks' forward and backward here, "
                   f"{gather * 1e3:.0f} ms to gather the batches) against {real * 1e3:.0f} ms for fp32 over the link")
+
+
+def exchange_free_step_s(model, one_batch_bytes: int) -> float:
+    """The predicted seconds of one exchange-free step: every rank's forward and backward here, one
+    optimizer step, and the gather of one batch a rank."""
+    local = model.world * (model.forward_s + model.backward_s) + model.optimizer_s
+    return local + float(model.network.seconds(Collective.ALL_GATHER, one_batch_bytes))
 
 
 class _LocalReplica(nn.Module):
