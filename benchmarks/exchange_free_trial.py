@@ -49,7 +49,7 @@ def _rank(rank: int, world: int, spec: str, steps: int, where: str) -> dict:
         # a fixed length: a tolerance no trial this short can see keeps both trials from stopping early
         # judged by the held-out loss where the task has held-out batches: its cost is counted, not
         # timed, so both trials checkpoint at the same steps and their curves compare point by point
-        judge = {"held_out": workload.held_out} if workload.held_out else {"evaluate": workload.evaluator()}
+        judge = workload.judged_by()
         trial = AccuracyTrial(ddp, workload.loss_fn, batches, opt, max_steps=steps, min_steps=steps,
                               time_budget_s=None, tolerance=1e-6, exchange_free=free, **judge)
         t0 = time.perf_counter()

@@ -110,3 +110,15 @@ def test_a_workload_that_cannot_shard_is_refused_naming_the_fix():
     # before any rank starts
     with pytest.raises(ValueError, match="says nothing of how to shard its model: give it shard="):
         validate_workload("advisor.workloads:mlp", None, steps=2, sharded=True, timeout=120)
+
+
+def test_the_jobs_tell_the_tuners_to_judge_by_held_out_batches_where_the_workload_has_no_evaluate():
+    # a held-out loss handed over as evaluate= is timed, and a timed cost moves the trial's
+    # checkpoints with the machine's load (one call in three then gave other advice)
+    from advisor.testbed.workloads import build_workload
+
+    text = build_workload("advisor.workloads:text_lm")
+    assert text.evaluate is None and text.held_out
+    assert list(text.judged_by()) == ["held_out"] and len(text.judged_by()["held_out"]) == len(text.held_out)
+    digits = build_workload("advisor.workloads:digits")
+    assert digits.judged_by() == {"evaluate": digits.evaluate}, "a workload's own evaluate judges it"

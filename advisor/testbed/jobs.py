@@ -59,7 +59,7 @@ def _autotune_rank(rank: int, world_size: int, spec: str, kwargs: dict):
         kwargs["progress"] = StageLog()
     workload = build_workload(spec)
     ddp = DistributedDataParallel(workload.model)
-    kwargs = {"evaluate": workload.evaluator(), "metric": workload.metric, **kwargs}
+    kwargs = {**workload.judged_by(), "metric": workload.metric, **kwargs}
     tuned = autotune(ddp, workload.loss_fn, shard(workload.batches, rank, world_size), workload.optimizer(), **kwargs)
     if tuned.hook is not None:
         tuned.hook.close()

@@ -285,13 +285,13 @@ def _validate_rank(rank: int, world: int, spec: str, plan_dict: dict | None, ste
 
                 tuned = ddp = _sharded_copy(workload, initial)
                 result = autotune_sharded(tuned, workload.loss_fn, tuning_data(mine, data), workload.optimizer(tuned),
-                                          build=lambda: _sharded_copy(workload, initial), evaluate=evaluate,
+                                          build=lambda: _sharded_copy(workload, initial), **workload.judged_by(),
                                           metric=workload.metric, install_plan=False, **autotune_kwargs)
             else:
                 tuned = copy.deepcopy(workload.model)
                 ddp = DistributedDataParallel(tuned)
                 result = autotune(ddp, workload.loss_fn, tuning_data(mine, data), workload.optimizer(tuned),
-                                  evaluate=evaluate, metric=workload.metric, install_plan=False, where=where,
+                                  **workload.judged_by(), metric=workload.metric, install_plan=False, where=where,
                                   **autotune_kwargs)
             repeats.append(result.to_dict() if rank == 0 else None)
             if i == 0:  # every rank validates the first call's plan (the calls may disagree)

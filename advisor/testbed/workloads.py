@@ -57,6 +57,14 @@ class Workload:
             return torch.optim.SGD(params, lr=0.01, momentum=0.9)
         return self.make_optimizer(params)
 
+    def judged_by(self) -> dict[str, Any]:
+        """How the tuners are told to judge it, as a user holding it would: ``evaluate=`` where it
+        has one, else ``held_out=`` (the tuners then count what an evaluation costs instead of
+        timing it, so the same call checkpoints at the same steps whatever the machine's load)."""
+        if self.evaluate is not None:
+            return {"evaluate": self.evaluate}
+        return {"held_out": list(self.held_out)} if self.held_out else {}
+
     def evaluator(self) -> Evaluator | None:
         """``evaluate``, or the held-out loss when only ``held_out`` is given; None when neither is."""
         if self.evaluate is not None:
