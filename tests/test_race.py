@@ -169,3 +169,39 @@ def test_online_a_proven_plan_races_the_best_baseline_alone_in_longer_turns_and_
     assert decision.chosen == "c1" and decision.retimed.value == pytest.approx(1.25)
     assert decision.tta.value == pytest.approx(1.25 * 0.98)
     assert "re-timed alone beside fp16: 1.25x" in decision.reason and retimes.record == [done]
+
+
+def test_a_cast_raced_in_another_bucket_layout_carries_the_casts_verdict_under_its_race_label():
+    # its step efficiency is the cast's, so its time to accuracy can be read (without it, a call
+    # that advised fp16 in 1 MiB buckets showed no time to accuracy and its repeats "disagreed")
+    from constructed import tuning_profile
+
+    from advisor.tuning.steps import LazyTrial
+    from policies.problem import TuningProblem
+
+    problem = TuningProblem.from_profile(tuning_profile(n_buckets=4))
+    joined = problem.with_layout(4.0)
+
+    class StubTrial:
+        def __init__(self):
+            self.trialled = []
+
+        def start(self):
+            pass
+
+        def report(self):
+            return None
+
+        def trial(self, label, plan, kind, description, fidelity_error):
+            self.trialled.append(label)
+            return ArmResult(label, kind, description, [1.0, 0.9], 1.0, True, "kept up", 0.0, fidelity_error,
+                             efficiency=1.0, efficiency_se=0.03)
+
+    stub = StubTrial()
+    lazy = LazyTrial(stub, problem, lambda msg: None)
+    choices = joined.uniform("fp16")[0]
+    cast = Arm("candidate 4", CANDIDATE, joined.plan(choices), choices,
+               "fp16 everywhere, in 4 MiB exchanges", 0.1, joined)
+    verdict = lazy.judge_arm(cast)
+    assert stub.trialled == ["fp16"], "judged as the cast, on the cast's own arm"
+    assert lazy.verdicts()["candidate 4"] is verdict and lazy.verdicts()["fp16"] is verdict

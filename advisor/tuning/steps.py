@@ -641,6 +641,7 @@ class LazyTrial:
     def __init__(self, trial: AccuracyTrial, problem: TuningProblem, say: Callable[[str], None]) -> None:
         self.trial, self.problem, self.say = trial, problem, say
         self.arms: dict[str, Any] = {}  # by the digest of the plan without its layout
+        self.raced: dict[str, Any] = {}  # a raced plan's verdict by its race label
         self.started = False
 
     def ensure_started(self):
@@ -668,13 +669,18 @@ class LazyTrial:
         """The verdict on a raced arm; a 16-bit cast everywhere is judged as the cast, in any layout."""
         cast = uniform_cast(arm)
         if cast is not None:
-            return self.judge(cast, Plan.uniform(cast, warmup_steps=0), arm.choices, gate.SIXTEEN_BIT,
-                              arm.description, arm.problem)
-        return self.judge(arm.label, arm.plan, arm.choices, _trial_kind(arm.kind), arm.description, arm.problem)
+            verdict = self.judge(cast, Plan.uniform(cast, warmup_steps=0), arm.choices, gate.SIXTEEN_BIT,
+                                 arm.description, arm.problem)
+        else:
+            verdict = self.judge(arm.label, arm.plan, arm.choices, _trial_kind(arm.kind), arm.description,
+                                 arm.problem)
+        self.raced[arm.label] = verdict
+        return verdict
 
     def verdicts(self) -> dict[str, Any]:
-        """Every plan judged so far, by its arm label."""
-        return {arm.label: arm for arm in self.arms.values()}
+        """Every plan judged so far, by its arm label, and every raced plan's verdict by its race label
+        (a cast in another bucket layout is judged as the cast's arm, whose label differs)."""
+        return {**{arm.label: arm for arm in self.arms.values()}, **self.raced}
 
     def report(self, budget: float, budget_source: str):
         if not self.started:
