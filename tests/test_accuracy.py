@@ -130,3 +130,18 @@ def test_the_same_trial_on_the_same_data_checkpoints_at_the_same_steps_whatever_
     # takes milliseconds, about four steps' worth) must not space the checkpoints hundreds of steps apart
     checkpoints, cost, how = timed
     assert how == "timed" and 0 < cost < 16 and len(checkpoints) >= 3, timed
+
+
+def test_a_powered_trial_goes_on_until_a_growing_gap_may_be_carried_to_the_runs_length_within_its_budget():
+    from accuracy_programs import trial_lengths
+
+    runs = [{"max_steps": 400},  # no run length: nothing is extrapolated, so power ends it
+            {"max_steps": 400, "horizon": 22_500},  # sqrt(22,500): it goes on to at least 150 steps
+            {"max_steps": 400, "horizon": 22_500, "budget_steps": 100 * 6, "arms_expected": 6}]  # 100 an arm
+    unbounded, extrapolated, bounded = launch_local(trial_lengths, 2, (runs,), timeout=300)[0]
+    assert unbounded["powered"] and unbounded["steps"] < 100, unbounded
+    assert extrapolated["powered"] and extrapolated["steps"] >= 150, extrapolated
+    assert "went on to at least 150 steps" in extrapolated["why"], extrapolated["why"]
+    # the budget still bounds it: powered, judged, and short of the length it says would settle growth
+    assert bounded["powered"] and bounded["steps"] == 100, bounded
+    assert "short of the 150 steps" in bounded["why"] and bounded["needed"] >= 150, bounded

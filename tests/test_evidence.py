@@ -139,6 +139,16 @@ def test_a_lossy_plan_needs_a_powered_trial_and_an_upper_bound_within_the_tolera
     assert grows.status == gate.REJECTED and "growing" in grows.reason
 
 
+def test_growth_is_carried_to_the_runs_length_only_from_a_trial_spanning_as_many_log_steps():
+    assert ev.steps_to_extrapolate(None) == 0, "no run length: nothing is carried"
+    assert [ev.steps_to_extrapolate(h) for h in (1, 100, 101, 30_000, 100_000)] == [1, 10, 11, 174, 317]
+    for horizon in (30_000, 100_000):
+        steps = ev.steps_to_extrapolate(horizon)
+        # the horizon lies no farther beyond the trial, in ln(step), than the trial spans; one step fewer, it would
+        assert math.log(horizon / steps) <= math.log(steps)
+        assert math.log(horizon / (steps - 1)) > math.log(steps - 1)
+
+
 def test_a_cast_is_a_baseline_rejected_only_on_shown_harm():
     assert gate.judge("bf16", gate.SIXTEEN_BIT, 0.005, 0.01, 0.01, is_powered=False).accepted
     harmed = gate.judge("fp16", gate.SIXTEEN_BIT, 0.05, 0.01, 0.01, is_powered=False)

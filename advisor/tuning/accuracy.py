@@ -320,6 +320,9 @@ class AccuracyTrial:
         curves = [[first[0]], [first[1]]]
         checkpoints, step, chunk = [0], 0, self.eval_every
         was_powered = is_powered = False
+        # a powered trial still goes on, within its budget, until a growing gap may be carried to
+        # the run's length: read too early, the arms' parting looks like growth
+        long_enough, powered_at, first_powered = evidence.steps_to_extrapolate(self.horizon), None, None
         while True:
             draw_on_every_rank(self.stream, step + chunk, self.group)
             self._steps(ref, self.stream.train, step, chunk)
@@ -340,9 +343,16 @@ class AccuracyTrial:
             late = len(evidence.late_window(checkpoints))
             was_powered, is_powered = is_powered, (
                 gate.powered(noise.detectable, self.tolerance, step, late) and kappa > 0)
-            if is_powered and was_powered:  # twice in a row: one lucky noise estimate does not end it
+            # twice in a row: one lucky noise estimate does not end it
+            powered_at = (powered_at or step) if is_powered and was_powered else None
+            first_powered = first_powered or powered_at
+            if powered_at is not None and step >= long_enough:
                 why = (f"powered after {step} steps: it could detect a gap of {noise.detectable:.2%} (tolerance "
                        f"{self.tolerance:.2%}); fp32 improved {learned:.1%}")
+                if first_powered < step:
+                    why += (f" (first powered at step {first_powered}; it went on to at least {long_enough} steps, so "
+                            f"that a gap's growth is carried to step {self.horizon} no farther, in ln(step), than the "
+                            "trial spans)")
                 break
             if self._learns_nothing(step, late, learned, noise.detectable):
                 why = (f"stopped after {step} steps: fp32's held-out {self.metric} improved {learned:+.2%}, no more "
@@ -358,7 +368,10 @@ class AccuracyTrial:
             # third of it, and how much would depend on the machine's timing
             room, bound = self._room(t0, step)
             if room < 1:
-                why = f"stopped after {step} steps at {bound}, not powered: it could detect {noise.detectable:.2%}"
+                why = (f"stopped after {step} steps at {bound}, " + (
+                    f"powered (it could detect {noise.detectable:.2%}) but short of the {long_enough} steps from "
+                    f"which a gap's growth is carried to step {self.horizon} no farther, in ln(step), than the trial "
+                    "spans" if powered_at is not None else f"not powered: it could detect {noise.detectable:.2%}"))
                 break
             chunk = min(chunk, room)
         kappa, kappa_se = evidence.elasticity(checkpoints, curves[0], self.higher)
@@ -368,7 +381,8 @@ class AccuracyTrial:
         self._report = AccuracyTrialReport(
             metric=self.metric, higher_is_better=self.higher, checkpoints=checkpoints, tolerance=self.tolerance,
             se=noise.se, detectable=noise.detectable, powered=is_powered and was_powered,
-            steps_needed=max(noise.steps_to_detect(step, self.tolerance), gate.MIN_PROOF_STEPS), kappa=kappa,
+            steps_needed=max(noise.steps_to_detect(step, self.tolerance), gate.MIN_PROOF_STEPS, long_enough),
+            kappa=kappa,
             kappa_se=kappa_se,
             progress=learned, held_out=held_out, length_reason=why, seconds=0.0, horizon=self.horizon,
             warnings=notes, evaluation_steps=eval_steps, evaluation_cost=eval_cost, exchange_free=self.exchange_free,
