@@ -189,5 +189,6 @@ def trial_lengths(rank: int, world: int, runs: list[dict], lr: float = 0.001, da
                               **options)
         report = trial.start()
         out.append({"steps": report.steps, "powered": report.powered, "why": report.length_reason,
-                    "needed": report.steps_needed})
+                    "needed": report.steps_needed, "checkpoints": report.checkpoints,
+                    "detectable": report.detectable})
     return out
