@@ -364,17 +364,19 @@ class AccuracyTrial:
             if eval_steps is None and first_chunk:
                 eval_steps = self._timed_evaluation_cost(ref.module, eval_times)
             chunk = max(1, math.ceil(step / 12), math.ceil(4 * eval_steps))
-            # the trial stops on its checkpoint schedule, at the last checkpoint its budget allows
-            # (at most a chunk, a twelfth, short of it): a budget priced from measured speeds moves
-            # a few percent between calls of the same job, and a last chunk cut to it moved the last
-            # checkpoint, the noise read from the late window, and verdicts near the tolerance
+            # the trial stops on its checkpoint schedule, at the last checkpoint its budget allows,
+            # where that forgoes little (a chunk of at most an eighth of the trial so far): a budget
+            # priced from measured speeds moves a few percent between calls of the same job, and a
+            # last chunk cut to it moved the last checkpoint, the noise read from the late window, and
+            # verdicts near the tolerance.  A chunk set by a costly evaluation is cut to the budget.
             room, bound = self._room(t0, step)
-            if room < chunk:
+            if room < 1 or room < chunk <= step / 8:
                 why = (f"stopped after {step} steps at {bound}, " + (
                     f"powered (it could detect {noise.detectable:.2%}) but short of the {long_enough} steps from "
                     f"which a gap's growth is carried to step {self.horizon} no farther, in ln(step), than the trial "
                     "spans" if powered_at is not None else f"not powered: it could detect {noise.detectable:.2%}"))
                 break
+            chunk = min(chunk, room)
         kappa, kappa_se = evidence.elasticity(checkpoints, curves[0], self.higher)
         notes = [w for w in [self.stream.warn_if_memorising(step, self.say)] if w]
         if self.stream.distinct == 1:
