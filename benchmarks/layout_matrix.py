@@ -103,9 +103,13 @@ def main(argv=None) -> int:
     for r, budget, _, best, setting, _ in compared:
         t = r["times_s"]
         if t[best] <= 1.05 * t["compute only"]:
-            ok = t[setting] <= 1.05 * t["compute only"]
-            print(f"near the floor ({r['model']} x{r['ranks']} @ {r['rate']}, {budget}: best PyTorch within 1.05x "
-                  f"of it): advisor {t[setting] / t['compute only']:.2f}x the floor {'PASS' if ok else 'FAIL'}")
+            # near the floor the settings are compute-bound, and their rounds swing with the CPU more
+            # than link-bound ones: a miss inside the advice's paired spread against the floor is named so
+            over, paired = t[setting] / t["compute only"], pair_noise(r["rounds_s"], setting, "compute only")
+            verdict = "PASS" if over <= 1.05 else (
+                f"FAIL inside the noise (±{paired:.1%})" if over <= 1.05 * (1 + paired) else f"FAIL (±{paired:.1%})")
+            print(f"near the floor ({r['model']} x{r['ranks']} @ {r['rate']}, {budget}: best PyTorch "
+                  f"{t[best] / t['compute only']:.2f}x of it): advisor {over:.2f}x the floor {verdict}")
     for r in rows if args.same_plan else ():
         t, pytorch = r["times_s"], r["times_s"]["PyTorch PowerSGD r1 (1 bucket)"]
         print(f"same plan, {r['model']} x{r['ranks']} @ {r['rate']}: PyTorch's PowerSGD r1 (1 bucket) "
