@@ -17,7 +17,11 @@ The claim to prove is "within ``tolerance`` of fp32" (1% of the metric by defaul
   showed it growing (:func:`policies.evidence.gap_at_horizon`), stays within the
   tolerance.
 * a 16-bit cast is a baseline, not a claim: it is rejected only when the trial shows harm
-  (the *lower* bound of its gap beyond the tolerance), powered or not.
+  (the *lower* bound of its gap beyond the tolerance).  In a trial that is not powered the
+  same gap is *not proven* harm: one pair of fp32 runs understates how far apart runs
+  drift where the curve falls steeply (a cast that leaves a plateau a few steps later than
+  fp32 is far behind at the same step), so the decision weighs the cast by its time to
+  accuracy instead (:func:`advisor.tuning.steps.decide_time_to_accuracy`).
 * any arm whose metric becomes NaN/Inf is rejected (it diverges).
 
 ``earned_budget``: the largest fidelity error among trialled plans that passed, where
@@ -91,8 +95,12 @@ def judge(label: str, kind: str, gap: float, se: float, tolerance: float, *, is_
     if kind not in LOSSY_KINDS:  # a baseline: rejected only on shown harm
         low = gap - z * se
         if low > tolerance:
-            return Verdict(REJECTED, gap, low, tolerance, f"{label}: {gap:+.2%} behind fp32, at least {low:+.2%} "
-                                                          f"(95% bound), beyond the tolerance ({tolerance:.2%})")
+            behind = f"{label}: {gap:+.2%} behind fp32, at least {low:+.2%} (95% bound), beyond the tolerance " \
+                     f"({tolerance:.2%})"
+            if not is_powered:
+                return Verdict(NOT_PROVEN, gap, low, tolerance, f"{behind}, in a trial that is not powered ("
+                               + (not_powered_why or f"it could not detect a gap of {tolerance:.2%}") + ")")
+            return Verdict(REJECTED, gap, low, tolerance, behind)
         return Verdict(ACCEPTED, gap, low, tolerance, f"{label}: {gap:+.2%} against fp32 (± {z * se:.2%}), no harm "
                                                       f"shown beyond the tolerance ({tolerance:.2%})")
     judged = gap if horizon_gap is None else max(gap, horizon_gap)

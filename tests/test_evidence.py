@@ -150,9 +150,19 @@ def test_growth_is_carried_to_the_runs_length_only_from_a_trial_spanning_as_many
 
 
 def test_a_cast_is_a_baseline_rejected_only_on_shown_harm():
+    assert gate.judge("bf16", gate.SIXTEEN_BIT, 0.005, 0.01, 0.01, is_powered=True).accepted
     assert gate.judge("bf16", gate.SIXTEEN_BIT, 0.005, 0.01, 0.01, is_powered=False).accepted
-    harmed = gate.judge("fp16", gate.SIXTEEN_BIT, 0.05, 0.01, 0.01, is_powered=False)
+    harmed = gate.judge("fp16", gate.SIXTEEN_BIT, 0.05, 0.01, 0.01, is_powered=True)
     assert harmed.status == gate.REJECTED and "95% bound" in harmed.reason
+
+
+def test_a_trial_that_is_not_powered_leaves_a_casts_harm_not_proven_for_the_decision_to_weigh():
+    behind = gate.judge("fp16", gate.SIXTEEN_BIT, 0.60, 0.10, 0.01, is_powered=False,
+                        not_powered_why="the trial could detect gaps of 27% or more")
+    assert behind.status == gate.NOT_PROVEN and not behind.accepted
+    assert "not powered" in behind.reason and "27%" in behind.reason
+    diverged = gate.judge("fp16", gate.SIXTEEN_BIT, math.inf, 0.10, 0.01, is_powered=False)
+    assert diverged.status == gate.REJECTED, "a cast that diverges is rejected however short the trial"
 
 
 # --- the decision: to the same accuracy ---------------------------------------------------------------------
@@ -168,6 +178,28 @@ def verdict(label, status, efficiency=None, se=0.02):
     return ArmResult(label, gate.CANDIDATE if label.startswith("c") else gate.SIXTEEN_BIT, label, [1.0], 1.0,
                      status == gate.ACCEPTED, f"{label}: {status}", 0.0, status=status,
                      efficiency=efficiency, efficiency_se=se if efficiency is not None else None)
+
+
+CAST_RACE = [rounds("fp32", "fp32", 300, 310, 305, 298), rounds("fp16", "16-bit", 150, 155, 152, 149)]
+
+
+def test_a_cast_an_unpowered_trial_saw_fall_behind_stands_where_its_time_to_accuracy_is_not_shown_slower():
+    # fp16 left the plateau later than fp32 in a short trial: far behind at the same step, yet worth
+    # 0.7 of an fp32 step at twice the speed
+    late = verdict("fp16", gate.NOT_PROVEN, 0.7, se=0.2)
+    decision, checked, rejected = decide_time_to_accuracy(CAST_RACE, lambda d: late)
+    assert decision.chosen == "fp16" and not rejected
+    assert "the cast stands" in checked and "not shown slower" in decision.reason
+
+
+def test_a_cast_that_stalls_in_an_unpowered_trial_gives_way_to_fp32():
+    # worth a fifth of an fp32 step at twice the speed: fp32 reaches the loss sooner
+    stalled = verdict("fp16", gate.NOT_PROVEN, 0.2, se=0.1)
+    decision, _, rejected = decide_time_to_accuracy(CAST_RACE, lambda d: stalled)
+    assert decision.chosen == "fp32" and len(rejected) == 1 and "is shown slower" in rejected[0]
+    unread = verdict("fp16", gate.NOT_PROVEN)  # no efficiency: fp32's curve was flat
+    decision, _, rejected = decide_time_to_accuracy(CAST_RACE, lambda d: unread)
+    assert decision.chosen == "fp32" and "cannot be read" in rejected[0]
 
 
 def test_the_plan_installed_is_faster_to_the_same_accuracy_not_only_per_step():

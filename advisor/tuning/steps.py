@@ -369,6 +369,8 @@ def decide_time_to_accuracy(measured: Sequence[LiveMeasurement], judge: Callable
         if decision.kind == FP32:
             break
         arm = judge(decision)
+        if decision.kind == SIXTEEN_BIT and arm.status == gate.NOT_PROVEN:
+            arm = _cast_weighed_by_time_to_accuracy(arm, decision, pool)
         # a proven plan's place is settled before it is re-timed; a run-off's winner is then judged in turn
         if arm.accepted and decision.kind == CANDIDATE and arm.kind != gate.SIXTEEN_BIT and _run_off(decision, pool):
             continue
@@ -407,6 +409,27 @@ def decide_time_to_accuracy(measured: Sequence[LiveMeasurement], judge: Callable
     if ran_off:
         decision.reason += "; " + "; ".join(ran_off)
     return decision, checked, rejected
+
+
+def _cast_weighed_by_time_to_accuracy(arm, decision: Decision, measured: Sequence[LiveMeasurement]):
+    """A cast whose harm a trial that is not powered could not prove (:func:`policies.accuracy_gate.judge`):
+    it stands unless its time to accuracy, its step speed-up over fp32 times its step efficiency, is
+    shown slower than fp32's.  A cast that only leaves a plateau later than fp32 is worth most of an
+    fp32 step; one whose gradients stall (fp16 underflow) is worth little, and fp32 is then sooner."""
+    fp32 = next((m for m in measured if m.kind == FP32), None)
+    cast = next((m for m in measured if m.label == decision.chosen), None)
+    efficiency = arm.efficiency_estimate()
+    if fp32 is None or cast is None or efficiency is None:
+        return dataclasses.replace(arm, accepted=False, status=gate.REJECTED,
+                                   reason=f"{arm.reason}; its time to accuracy cannot be read (fp32's curve is flat)")
+    tta = evidence.time_to_accuracy(step_speedup(fp32, cast), efficiency)
+    if tta.upper() < 1:
+        return dataclasses.replace(arm, accepted=False, status=gate.REJECTED, reason=(
+            f"{arm.reason}; its time to accuracy {tta.describe()} vs fp32 (step speed-up x efficiency, 95% bounds) "
+            "is shown slower"))
+    return dataclasses.replace(arm, accepted=True, status=gate.ACCEPTED, reason=(
+        f"{arm.reason}; the cast stands: its time to accuracy {tta.describe()} vs fp32 (step speed-up x efficiency, "
+        "95% bounds) is not shown slower"))
 
 
 def _rival(decision: Decision, pool: Sequence[LiveMeasurement], min_gain: float) -> LiveMeasurement | None:

@@ -416,7 +416,8 @@ class OnlineTuner:
                 self._unproven = PendingProof.after(raced.label, raced.plan, raced.description, decision,
                                                     self.accuracy)
             if not arm.accepted:
-                self._note("accuracy", f"{decision.chosen} rejected: {arm.reason}")
+                said = "rejected" if arm.status == gate.REJECTED else "not proven"
+                self._note("accuracy", f"{decision.chosen} {said}: {arm.reason}")
             judged[decision.chosen] = arm
             return arm
 
