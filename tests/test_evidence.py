@@ -482,6 +482,17 @@ def test_the_advices_evidence_shows_the_re_timed_step_speed_up_and_survives_json
     assert "the race had said 1.99x" in shown and "per step re-timed" in shown
 
 
+def test_the_best_baselines_own_time_to_accuracy_is_one_whatever_its_efficiency():
+    from advisor.tuning.results import plan_evidence
+    from policies.do_no_harm import decide
+
+    decision = decide(CAST_RACE)
+    assert decision.chosen == decision.best_baseline == "fp16"
+    rows = {e.label: e for e in plan_evidence(CAST_RACE, decision, {"fp16": verdict("fp16", gate.NOT_PROVEN, 0.64)})}
+    assert rows["fp16"].efficiency == pytest.approx(0.64) and rows["fp16"].time_to_accuracy == 1.0
+    assert rows["fp32"].time_to_accuracy == pytest.approx(rows["fp32"].step_speedup)
+
+
 def test_the_trial_says_what_an_evaluation_costs_and_where_it_checkpointed_and_survives_json():
     from rich.console import Console
 

@@ -81,7 +81,9 @@ def plan_evidence(measured: Sequence[LiveMeasurement], decision, verdicts: Mappi
         row = PlanEvidence(m.label, m.kind, step.value, step.lower(), step.upper(),
                            status=arm.status if arm is not None else "", retimed=retimed)
         if efficiency is not None:
-            tta = time_to_accuracy(step, efficiency)
+            # every row's time to accuracy is against the best baseline's, so that one's is 1 by
+            # definition (a cast an unpowered trial saw lag keeps its efficiency in its own columns)
+            tta = Estimate(1.0, 0.0) if m.label == base.label else time_to_accuracy(step, efficiency)
             row.efficiency, row.efficiency_low, row.efficiency_high = (efficiency.value, efficiency.lower(),
                                                                        efficiency.upper())
             row.time_to_accuracy, row.tta_low, row.tta_high = tta.value, tta.lower(), tta.upper()
