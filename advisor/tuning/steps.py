@@ -411,7 +411,8 @@ def decide_time_to_accuracy(measured: Sequence[LiveMeasurement], judge: Callable
     return decision, checked, rejected
 
 
-def _cast_weighed_by_time_to_accuracy(arm, decision: Decision, measured: Sequence[LiveMeasurement]):
+def _cast_weighed_by_time_to_accuracy(arm: ArmResult, decision: Decision,
+                                      measured: Sequence[LiveMeasurement]) -> ArmResult:
     """A cast whose harm a trial that is not powered could not prove (:func:`policies.accuracy_gate.judge`):
     it stands unless its time to accuracy, its step speed-up over fp32 times its step efficiency, is
     shown slower than fp32's.  A cast that only leaves a plateau later than fp32 is worth most of an
