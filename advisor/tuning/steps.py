@@ -417,20 +417,18 @@ def _cast_weighed_by_time_to_accuracy(arm: ArmResult, decision: Decision,
     it stands unless its time to accuracy, its step speed-up over fp32 times its step efficiency, is
     shown slower than fp32's.  A cast that only leaves a plateau later than fp32 is worth most of an
     fp32 step; one whose gradients stall (fp16 underflow) is worth little, and fp32 is then sooner."""
-    fp32 = next((m for m in measured if m.kind == FP32), None)
-    cast = next((m for m in measured if m.label == decision.chosen), None)
+    # decide() has raced fp32 beside it, and the cast judged is the one decided on
+    fp32 = next(m for m in measured if m.kind == FP32)
+    cast = next(m for m in measured if m.label == decision.chosen)
     efficiency = arm.efficiency_estimate()
-    if fp32 is None or cast is None or efficiency is None:
+    if efficiency is None:
         return dataclasses.replace(arm, accepted=False, status=gate.REJECTED,
                                    reason=f"{arm.reason}; its time to accuracy cannot be read (fp32's curve is flat)")
     tta = evidence.time_to_accuracy(step_speedup(fp32, cast), efficiency)
-    if tta.upper() < 1:
-        return dataclasses.replace(arm, accepted=False, status=gate.REJECTED, reason=(
-            f"{arm.reason}; its time to accuracy {tta.describe()} vs fp32 (step speed-up x efficiency, 95% bounds) "
-            "is shown slower"))
-    return dataclasses.replace(arm, accepted=True, status=gate.ACCEPTED, reason=(
-        f"{arm.reason}; the cast stands: its time to accuracy {tta.describe()} vs fp32 (step speed-up x efficiency, "
-        "95% bounds) is not shown slower"))
+    stands = tta.upper() >= 1
+    return dataclasses.replace(arm, accepted=stands, status=gate.ACCEPTED if stands else gate.REJECTED, reason=(
+        f"{arm.reason}; {'the cast stands: ' if stands else ''}its time to accuracy {tta.describe()} vs fp32 "
+        f"(step speed-up x efficiency, 95% bounds) is {'not shown slower' if stands else 'shown slower'}"))
 
 
 def _rival(decision: Decision, pool: Sequence[LiveMeasurement], min_gain: float) -> LiveMeasurement | None:
