@@ -115,6 +115,9 @@ def main(argv=None) -> int:
         print(f"same plan, {r['model']} x{r['ranks']} @ {r['rate']}: PyTorch's PowerSGD r1 (1 bucket) "
               f"{pytorch * 1e3:.1f} ms; " + "; ".join(f"{name} {t[name] * 1e3:.1f} ms ({t[name] / pytorch:.2f}x)"
                                                      for name in SAME_PLAN) + f" (noise ±{r['noise']:.1%})")
+        joined, one = "advisor hook, PowerSGD r1 (DDP's buckets joined)", "advisor hook, PowerSGD r1 (1 bucket)"
+        print(f"  the hook's join against DDP's own one bucket: {t[joined] / t[one]:.2f}x "
+              f"(pair noise ±{pair_noise(r['rounds_s'], joined, one):.1%})")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1, default=str)

@@ -38,6 +38,9 @@ class LiveMeasurement:
     round_s: list[float]
     predicted_s: float | None = None
     description: str = ""
+    #: the bucket layout it ran in ("" for DDP's own buckets): plans in one layout share what the
+    #: performance model misjudges most, how much of the exchange hides behind backward
+    layout: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

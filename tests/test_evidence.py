@@ -314,6 +314,25 @@ def test_two_candidates_the_race_could_not_tell_apart_are_run_off_and_the_faster
     assert decision.chosen == "c1" and "c1 went ahead of c2" in decision.reason
 
 
+def test_the_run_off_sets_the_leader_beside_the_fastest_plan_in_another_bucket_layout_first():
+    # c1 and c2 are two near-equal plans on DDP's buckets (the search's top few share a layout);
+    # c3, one exchange for the whole model, raced a hair behind both
+    joined = dataclasses.replace(rounds("c3", "candidate", 101, 106, 104), layout="in 4 MiB exchanges")
+    asked = []
+
+    def runoff(leader, runner_up, race):
+        asked.append((leader, runner_up))
+        return ev.Estimate(1.04, 0.01, 4)  # the joined plan 4% faster, alone
+
+    decision, _, _ = decide_time_to_accuracy(CLOSE + [joined], None, runoff=runoff)
+    assert asked == [("c1", "c3")] and decision.chosen == "c3"
+    # a layout the race already showed slower leaves the run-off to the leader's own layout
+    asked.clear()
+    slower = dataclasses.replace(rounds("c3", "candidate", 120, 121, 122), layout="in 4 MiB exchanges")
+    decision, _, _ = decide_time_to_accuracy(CLOSE + [slower], None, runoff=runoff)
+    assert asked == [("c1", "c2")] and decision.chosen == "c2"
+
+
 def test_no_run_off_where_the_race_already_separated_the_two_or_only_one_beat_the_baseline():
     asked = []
     decision, _, _ = decide_time_to_accuracy(MEASURED, None, runoff=lambda *a: asked.append(a))

@@ -12,12 +12,17 @@ model is autotuned under the fidelity budget of PowerSGD rank 1 and measured in 
 rounds: PyTorch's rank 1 loses more of the gradient than the advisor's default budget
 (PowerSGD rank 4's error) allows, so this is the comparison at equal accuracy cost.
 With ``same_plan`` the advisor's hook also runs PowerSGD rank 1 everywhere, in PyTorch's one
-bucket and on DDP's own buckets, in the same rounds: set beside PyTorch's rank 1 they tell
-the hook's own cost apart from the cost of the bucket layout.
+bucket, on DDP's own buckets and on DDP's own buckets joined into one exchange, in the same
+rounds: set beside PyTorch's rank 1 they tell the hook's own cost apart from the cost of the
+bucket layout, and the join's copies apart from DDP's own one bucket.
+
+An advice with a bucket layout is timed on DDP built for it by :func:`advisor.ddp_for`, as the
+README tells a user to run it.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -49,14 +54,19 @@ SETTINGS = ("compute only", "DDP fp32", "PyTorch fp16 hook", "PyTorch fp16 hook,
 PYTORCH = tuple(s for s in SETTINGS if s.startswith(("DDP fp32", "PyTorch")))
 #: the matched comparison: the advisor held to the fidelity of PowerSGD rank 1
 MATCHED_REFERENCE = "powersgd(rank=1)"
-#: ``same_plan``'s settings: PyTorch's rank 1 plan through the advisor's hook, in each layout
-SAME_PLAN = {"advisor hook, PowerSGD r1 (1 bucket)": 10_000, "advisor hook, PowerSGD r1 (DDP's buckets)": None}
+#: ``same_plan``'s settings: PyTorch's rank 1 plan through the advisor's hook, in each layout, as
+#: (DDP's bucket_cap_mb, whether the hook joins DDP's buckets into one exchange); the join beside
+#: DDP's own one bucket is the cost of the hook's copies, which ddp_for spares an advised join
+SAME_PLAN = {"advisor hook, PowerSGD r1 (1 bucket)": (10_000, False),
+             "advisor hook, PowerSGD r1 (DDP's buckets)": (None, False),
+             "advisor hook, PowerSGD r1 (DDP's buckets joined)": (None, True)}
 
 
 def layout_of(result: dict) -> str:
     """The bucket layout of an autotune result's advice, in words."""
     if result.get("exchange_mb"):
-        return f"DDP's buckets exchanged together up to {result['exchange_mb']:g} MiB"
+        return (f"DDP's buckets exchanged together up to {result['exchange_mb']:g} MiB, timed on DDP built "
+                f"so by ddp_for")
     smaller = (result.get("plan") or {}).get("bucket_cap_mb")
     return f"DDP built with {smaller:g} MiB buckets" if smaller else "DDP's own buckets"
 
@@ -75,8 +85,9 @@ def _autotuned(spec: str, batches: list, where: str, measurements: str | None, a
                               **autotune_kwargs)
     tune_s = time.perf_counter() - t0
     plan = result.plan_object()
-    if plan.bucket_cap_mb is not None:
-        # the advice needs DDP built with smaller buckets, which only DDP makes: built as the result says
+    if plan.bucket_cap_mb is not None or plan.exchange_mb is not None:
+        # timed as the README tells a user to run an advice with a layout: DDP built for it by
+        # ddp_for (smaller buckets only DDP makes; a join DDP makes without the hook's copies)
         if result.hook is not None:
             result.hook.close()
         workload = build_workload(spec)
@@ -115,9 +126,11 @@ def bench_rank(rank: int, world: int, spec: str, rounds: int, steps: int, warmup
         timed_steps(psgd, workload.loss_fn, batches, None, 1, 3)  # past PowerSGD's own warm-up
         settings[f"PyTorch PowerSGD r{r} (1 bucket)"] = (psgd, None)
     hooks = []
-    for name, cap in SAME_PLAN.items() if same_plan else ():
+    whole_mb = float(math.ceil(sum(p.numel() * 4 for p in workload.model.parameters()) / (1 << 20)))
+    for name, (cap, joined) in SAME_PLAN.items() if same_plan else ():
         _, ours = _fresh(spec, **({} if cap is None else {"bucket_cap_mb": cap}))
-        hooks.append(advisor.install(ours, advisor.Plan.uniform(MATCHED_REFERENCE, warmup_steps=0)))
+        plan = advisor.Plan.uniform(MATCHED_REFERENCE, warmup_steps=0, exchange_mb=whole_mb if joined else None)
+        hooks.append(advisor.install(ours, plan))
         timed_steps(ours, workload.loss_fn, batches, None, 1, 3)  # as PyTorch's: past the first steps
         settings[name] = (ours, None)
     for name, (model, o) in settings.items():
@@ -160,7 +173,8 @@ def run_benchmark(ranks: Sequence[int] = (2, 4), rates: Sequence[str] = RATES, m
             copy measured in the same rounds), to compare with PyTorch's rank 1 at the same
             accuracy cost.
         same_plan: also time PyTorch's PowerSGD rank 1 plan through the advisor's hook, in one
-            bucket and on DDP's own (:data:`SAME_PLAN`): the hook's cost apart from the layout's.
+            bucket, on DDP's own and on DDP's own joined (:data:`SAME_PLAN`): the hook's cost
+            apart from the layout's, and the join's copies apart from DDP's one bucket.
 
     Returns:
         One dict per (world size, rate, model): each setting's median step time and the advice.

@@ -455,7 +455,7 @@ def _measurer(ddp_model, loss_fn, batches, optimizer, group, say):
 
 def _measurements_of(arms: dict[str, Arm], rounds_s: Mapping[str, list[float]]) -> list[LiveMeasurement]:
     return [LiveMeasurement(label, arms[label].kind, list(rounds_s[label]), arms[label].predicted_s,
-                            arms[label].description) for label in rounds_s]
+                            arms[label].description, arms[label].layout) for label in rounds_s]
 
 
 def _uniform_error(problem, config: str | None) -> float:

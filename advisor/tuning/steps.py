@@ -44,7 +44,7 @@ from policies.do_no_harm import (
     decide,
     step_speedup,
 )
-from policies.problem import TuningProblem
+from policies.problem import TuningProblem, describe_layout
 from profilers.profile import ClusterProfile
 from profilers.training_state import preferred_sixteen_bit
 
@@ -114,6 +114,11 @@ class Arm:
     predicted_s: float
     #: the tuning problem ``choices`` index: the bucket layout the plan was searched under
     problem: TuningProblem | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def layout(self) -> str:
+        """The plan's bucket layout in words ("" for DDP's own buckets)."""
+        return describe_layout(self.plan.exchange_mb, self.plan.bucket_cap_mb)
 
 
 def not_ddp(who: str, model) -> TypeError:
@@ -324,9 +329,10 @@ def decide_time_to_accuracy(measured: Sequence[LiveMeasurement], judge: Callable
     candidates where it could not tell them apart (``race``: the leader's time over the
     runner-up's, in the race): the two alone, in longer turns (:func:`runoff_timer`); it
     returns the same ratio.  With a ``judge`` the leader is proven first and the run-off comes
-    before its re-timing; without one, it comes at once.  The runner-up goes first where it was
-    faster there (and is judged in its turn); the loser stays next in line, should the winner
-    be turned down.  One run-off a call at most.
+    before its re-timing; without one, it comes at once.  The runner-up (:func:`_rival`: the
+    fastest in another bucket layout first) goes first where it was faster there, ahead of the
+    plans the race put between the two, and is judged in its turn; the loser stays next in
+    line, should the winner be turned down.  One run-off a call at most.
 
     Returns ``(decision, accepted_reason, rejected_reasons)``; ``accepted_reason`` is ""
     when nothing was judged, and the decision's reason names every rejection with its
@@ -349,6 +355,13 @@ def decide_time_to_accuracy(measured: Sequence[LiveMeasurement], judge: Callable
         step = runoff(leader.label, rival.label, race)
         winner, loser = (rival, leader) if step.value > 1 else (leader, rival)
         lost_to[loser.label] = winner.label
+        if winner is rival:
+            # a rival from another layout beat the leader: the plans the race put between the two,
+            # not shown faster than the winner there, go behind it with the leader
+            for m in pool:
+                if (m.kind == CANDIDATE and m not in (winner, loser) and m.median_s < winner.median_s
+                        and not step_speedup(winner, m).lower() > 1):
+                    lost_to[m.label] = winner.label
         ran_off.append(_runoff_note(winner, loser, race, step, winner is rival))
         return winner is rival
 
@@ -433,17 +446,24 @@ def _cast_weighed_by_time_to_accuracy(arm: ArmResult, decision: Decision,
 
 def _rival(decision: Decision, pool: Sequence[LiveMeasurement], min_gain: float) -> LiveMeasurement | None:
     """The candidate a run-off should set beside the chosen one: the fastest other candidate also shown
-    faster than the best baseline, unless the race already showed it slower than the chosen."""
+    faster than the best baseline and not already shown slower than the chosen, in another bucket
+    layout where there is one.
+
+    Why another layout first: the search sends its top few plans in one layout, which differ in
+    what the model prices well (a small bucket's rank), and one plan for each close layout, which
+    differs in what it prices worst (how much of the exchange hides behind backward, with ranks
+    starved of cores).  The fastest of several near-equal plans in one layout is also the
+    race's luckiest, so its own layout's runner-up is the smaller error to settle."""
     if not decision.compress or decision.kind != CANDIDATE:
         return None
     by_label = {m.label: m for m in pool}
     base, leader = by_label[decision.best_baseline], by_label[decision.chosen]
     others = [m for m in pool if m.kind == CANDIDATE and m is not leader
-              and step_speedup(base, m).lower() > 1 + min_gain]
-    if not others:
+              and step_speedup(base, m).lower() > 1 + min_gain and not step_speedup(leader, m).upper() < 1]
+    elsewhere = [m for m in others if m.layout != leader.layout]
+    if not (elsewhere or others):
         return None
-    rival = min(others, key=lambda m: m.median_s)
-    return None if step_speedup(leader, rival).upper() < 1 else rival
+    return min(elsewhere or others, key=lambda m: m.median_s)
 
 
 def _runoff_note(winner: LiveMeasurement, loser: LiveMeasurement, race: evidence.Estimate,

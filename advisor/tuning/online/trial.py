@@ -110,7 +110,8 @@ class Race:
     def measurements(self) -> list[LiveMeasurement]:
         """Every arm's round medians (slowest rank), paired by round."""
         return [LiveMeasurement(label, self.arms[label].kind, list(rounds), self.arms[label].predicted_s,
-                                self.arms[label].description) for label, rounds in self.round_s.items()]
+                                self.arms[label].description, self.arms[label].layout)
+                for label, rounds in self.round_s.items()]
 
     def _arm_now(self) -> Arm:
         """The arm whose turn it is: round ``r`` starts at arm ``r`` and wraps."""
