@@ -66,7 +66,7 @@ def layout_of(result: dict) -> str:
     """The bucket layout of an autotune result's advice, in words."""
     if result.get("exchange_mb"):
         return (f"DDP's buckets exchanged together up to {result['exchange_mb']:g} MiB, timed on DDP built "
-                f"so by ddp_for")
+                "so by ddp_for")
     smaller = (result.get("plan") or {}).get("bucket_cap_mb")
     return f"DDP built with {smaller:g} MiB buckets" if smaller else "DDP's own buckets"
 

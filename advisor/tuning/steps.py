@@ -325,8 +325,8 @@ def decide_time_to_accuracy(measured: Sequence[LiveMeasurement], judge: Callable
     left it unresolved: the race stops once its winner is resolved, not the runner-up, and a
     re-timing measures on while the time to accuracy is unresolved.
 
-    ``runoff(leader, runner_up, race) -> Estimate``, where given, settles the race's two fastest
-    candidates where it could not tell them apart (``race``: the leader's time over the
+    ``runoff(leader, runner_up, race) -> Estimate``, where given, settles the race's leader
+    against a runner-up it could not tell apart from it (``race``: the leader's time over the
     runner-up's, in the race): the two alone, in longer turns (:func:`runoff_timer`); it
     returns the same ratio.  With a ``judge`` the leader is proven first and the run-off comes
     before its re-timing; without one, it comes at once.  The runner-up (:func:`_rival`: the
@@ -460,9 +460,9 @@ def _rival(decision: Decision, pool: Sequence[LiveMeasurement], min_gain: float)
     base, leader = by_label[decision.best_baseline], by_label[decision.chosen]
     others = [m for m in pool if m.kind == CANDIDATE and m is not leader
               and step_speedup(base, m).lower() > 1 + min_gain and not step_speedup(leader, m).upper() < 1]
-    elsewhere = [m for m in others if m.layout != leader.layout]
-    if not (elsewhere or others):
+    if not others:
         return None
+    elsewhere = [m for m in others if m.layout != leader.layout]
     return min(elsewhere or others, key=lambda m: m.median_s)
 
 
