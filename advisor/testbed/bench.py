@@ -22,7 +22,6 @@ README tells a user to run it.
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -55,11 +54,11 @@ PYTORCH = tuple(s for s in SETTINGS if s.startswith(("DDP fp32", "PyTorch")))
 #: the matched comparison: the advisor held to the fidelity of PowerSGD rank 1
 MATCHED_REFERENCE = "powersgd(rank=1)"
 #: ``same_plan``'s settings: PyTorch's rank 1 plan through the advisor's hook, in each layout, as
-#: (DDP's bucket_cap_mb, whether the hook joins DDP's buckets into one exchange); the join beside
+#: (DDP's bucket_cap_mb, the plan's exchange_mb); 10,000 MiB holds any model whole.  The join beside
 #: DDP's own one bucket is the cost of the hook's copies, which ddp_for spares an advised join
-SAME_PLAN = {"advisor hook, PowerSGD r1 (1 bucket)": (10_000, False),
-             "advisor hook, PowerSGD r1 (DDP's buckets)": (None, False),
-             "advisor hook, PowerSGD r1 (DDP's buckets joined)": (None, True)}
+SAME_PLAN = {"advisor hook, PowerSGD r1 (1 bucket)": (10_000, None),
+             "advisor hook, PowerSGD r1 (DDP's buckets)": (None, None),
+             "advisor hook, PowerSGD r1 (DDP's buckets joined)": (None, 10_000)}
 
 
 def layout_of(result: dict) -> str:
@@ -126,10 +125,9 @@ def bench_rank(rank: int, world: int, spec: str, rounds: int, steps: int, warmup
         timed_steps(psgd, workload.loss_fn, batches, None, 1, 3)  # past PowerSGD's own warm-up
         settings[f"PyTorch PowerSGD r{r} (1 bucket)"] = (psgd, None)
     hooks = []
-    whole_mb = float(math.ceil(sum(p.numel() * 4 for p in workload.model.parameters()) / (1 << 20)))
-    for name, (cap, joined) in SAME_PLAN.items() if same_plan else ():
+    for name, (cap, exchange_mb) in SAME_PLAN.items() if same_plan else ():
         _, ours = _fresh(spec, **({} if cap is None else {"bucket_cap_mb": cap}))
-        plan = advisor.Plan.uniform(MATCHED_REFERENCE, warmup_steps=0, exchange_mb=whole_mb if joined else None)
+        plan = advisor.Plan.uniform(MATCHED_REFERENCE, warmup_steps=0, exchange_mb=exchange_mb)
         hooks.append(advisor.install(ours, plan))
         timed_steps(ours, workload.loss_fn, batches, None, 1, 3)  # as PyTorch's: past the first steps
         settings[name] = (ours, None)
