@@ -115,7 +115,8 @@ def online_loop(rank: int, world_size: int, steps: int, kwargs: dict):
 
 
 def nan_on_rank_one(rank: int, world_size: int):
-    """Plans measured live, one of them for smaller DDP buckets: the caps of the shadows they ran on.
+    """Plans measured live, one for smaller DDP buckets and one joining DDP's buckets: the caps of
+    the shadows they ran on, and the layout of the plan each shadow's hook was installed with.
     Then rank 1's batches make the loss NaN: every rank must raise, none may hang."""
     from advisor.runtime import Plan
     from advisor.tuning import live
@@ -127,22 +128,27 @@ def nan_on_rank_one(rank: int, world_size: int):
     opt = workload.optimizer()
     before = {k: v.clone() for k, v in ddp.module.state_dict().items()}
     batches = list(workload.batches)
-    caps, shadow_of = [], live.shadow_of
+    caps, installed, shadow_of, install = [], [], live.shadow_of, live.install
 
     def recording_shadow_of(*args):
         shadow, shadow_opt = shadow_of(*args)
         caps.append(shadow.bucket_bytes_cap)
         return shadow, shadow_opt
 
-    live.shadow_of = recording_shadow_of
+    def recording_install(model, plan, **kwargs):
+        installed.append((plan.exchange_mb, plan.bucket_cap_mb))
+        return install(model, plan, **kwargs)
+
+    live.shadow_of, live.install = recording_shadow_of, recording_install
     try:
         measured = measure_plans(ddp, workload.loss_fn, batches, opt,
                                  {"fp16": Plan.uniform("fp16", warmup_steps=0),
                                   "fp16, 0.25 MiB buckets": Plan.uniform("fp16", warmup_steps=0, bucket_cap_mb=0.25),
+                                  "fp16, 40 MiB exchanges": Plan.uniform("fp16", warmup_steps=0, exchange_mb=40),
                                   "bf16": Plan.uniform("bf16", warmup_steps=0)}, rounds=1, steps=1, warmup=1)
     finally:
-        live.shadow_of = shadow_of
-    smaller = {"caps": caps, "labels": list(measured), "unchanged": all(
+        live.shadow_of, live.install = shadow_of, install
+    smaller = {"caps": caps, "installed": installed, "labels": list(measured), "unchanged": all(
         torch.equal(before[k], v) for k, v in ddp.module.state_dict().items())}
     retimed = retime_a_plan(ddp, workload, batches, opt)
     if rank == 1:

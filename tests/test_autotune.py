@@ -148,12 +148,16 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_with_the_state_restored(measure
         assert o["restored"]
 
 
-def test_a_plan_for_smaller_buckets_is_measured_on_a_copy_of_ddp_built_with_them(measured_live):
+def test_a_plan_for_other_buckets_is_measured_on_a_copy_of_ddp_built_for_them_as_ddp_for_builds_it(measured_live):
     for o in measured_live:
         smaller = o["smaller"]
-        # one shadow for DDP's own buckets (fp16 and bf16 share it), one built with the plan's cap
-        assert smaller["caps"] == [25 * (1 << 20), int(0.25 * (1 << 20))], smaller
-        assert smaller["labels"] == ["fp32", "fp16", "fp16, 0.25 MiB buckets", "bf16"] and smaller["unchanged"]
+        # one shadow for DDP's own buckets (fp16 and bf16 share it), one built with the smaller
+        # plan's cap, and one whose DDP makes the joined plan's 40 MiB buckets itself
+        assert smaller["caps"] == [25 * (1 << 20), int(0.25 * (1 << 20)), 40 * (1 << 20)], smaller
+        # ... so the joined plan runs there without the hook's join (and its copies)
+        assert smaller["installed"] == [(None, None), (None, 0.25), (None, None)], smaller
+        assert smaller["labels"] == ["fp32", "fp16", "fp16, 0.25 MiB buckets", "fp16, 40 MiB exchanges", "bf16"]
+        assert smaller["unchanged"]
 
 
 def test_a_proven_plan_is_re_timed_alone_beside_its_baseline_with_every_rank_holding_the_same_numbers(measured_live):

@@ -188,6 +188,22 @@ def test_the_report_tells_how_to_build_ddp_for_an_advice_in_smaller_buckets():
     assert "bucket_cap_mb=1 (advisor.ddp_for(module, result))" in text
 
 
+def test_the_report_says_a_joined_advice_was_measured_on_ddp_built_for_it_and_runs_slower_joined():
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from advisor.report.results import render_layouts
+
+    console = Console(record=True, width=200)
+    render_layouts(SimpleNamespace(layouts=["DDP's 2 buckets: 10.0 ms (fp16 everywhere)",
+                                            "16 MiB exchanges (1): 8.0 ms (fp16 everywhere, in 16 MiB exchanges)"],
+                                   exchange_mb=16.0, bucket_cap_mb=16.0), console)
+    text = " ".join(console.export_text().split())
+    assert "exchanged together up to 16 MiB, measured on a copy of DDP built with bucket_cap_mb=16" in text
+    assert "advisor.ddp_for(module, result)" in text and "with a copy each, more slowly" in text
+
+
 def test_the_race_settles_the_nearest_close_layout_in_each_direction():
     # the model can misjudge overlap against rounds either way, so a close finer layout (DDP rebuilt
     # with smaller buckets) must not shut out a close join, which 4 ranks on 2 cores measured faster

@@ -70,9 +70,10 @@ def render_layouts(result, console) -> None:
     elif result.exchange_mb is None:
         console.print("Layout of the advice: DDP's own buckets")
     else:
-        console.print(f"Layout of the advice: DDP's buckets exchanged together up to {result.exchange_mb:g} MiB "
-                      f"(one joining copy each); DDP built with bucket_cap_mb={result.bucket_cap_mb:g} makes "
-                      "these buckets itself: advisor.ddp_for(module, result)")
+        console.print(f"Layout of the advice: DDP's buckets exchanged together up to {result.exchange_mb:g} MiB, "
+                      f"measured on a copy of DDP built with bucket_cap_mb={result.bucket_cap_mb:g}, which makes "
+                      "these buckets itself: build DDP so (advisor.ddp_for(module, result)); on the DDP model it "
+                      "was tuned on the hook joins the buckets with a copy each, more slowly")
 
 
 def _bounded(value, low, high) -> str:

@@ -185,9 +185,10 @@ def autotune(
             measurement set) that corrects predictions when ranking.
         measurements_path: append this run's live measurements to that measurement set file.
         search_layout: also search other bucket layouts: DDP's buckets exchanged together
-            (``Plan.exchange_mb``), or DDP built with smaller ones (``Plan.bucket_cap_mb``,
-            measured on a shadow DDP built so); the result's ``bucket_cap_mb`` then says how
-            to build DDP for the advice (:func:`advisor.ddp_for`).  A layout the model cannot
+            (``Plan.exchange_mb``), or DDP built with smaller ones (``Plan.bucket_cap_mb``);
+            each is measured on a shadow DDP built for it as :func:`advisor.ddp_for` builds it
+            (a join on DDP's own buckets of that size, without the hook's copies); the result's
+            ``bucket_cap_mb`` then says how to build DDP for the advice.  A layout the model cannot
             tell from the chosen one (within 3%) races its best plan too (the nearest joined
             one and the nearest finer one).
 

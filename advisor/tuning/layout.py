@@ -40,22 +40,32 @@ def ddp_for(module: torch.nn.Module, advice: Any, *, group=None,
             disagree: drop one), or a plan invalid for ``module`` (on every rank).
     """
     plan = _plan_of(advice)
-    layout = next(((field, getattr(plan, field)) for field in ("exchange_mb", "bucket_cap_mb")
-                   if getattr(plan, field) is not None), None)
-    if layout is not None:
-        field, mb = layout
+    bucket_cap_mb, built_plan = built_for(plan)
+    if bucket_cap_mb is not None:
+        field = "exchange_mb" if plan.exchange_mb is not None else "bucket_cap_mb"
         for taken in ("bucket_cap_mb", "bucket_cap_mb_list"):
             if taken in ddp_kwargs:
                 raise ValueError(f"{taken}={ddp_kwargs[taken]!r} given, but the plan's layout sets DDP's buckets "
-                                 f"({field}={mb:g}); drop {taken}, or pass the plan without its "
+                                 f"({field}={bucket_cap_mb:g}); drop {taken}, or pass the plan without its "
                                  f"layout (dataclasses.replace(plan, {field}=None))")
-        ddp_kwargs["bucket_cap_mb"] = mb
-        if field == "exchange_mb":  # DDP now makes the joined buckets itself
-            plan = dataclasses.replace(plan, exchange_mb=None)
+        ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
+    plan = built_plan
     ddp = DistributedDataParallel(module, process_group=group, **ddp_kwargs)
     if plan.metadata.get("native"):
         return ddp, None
     return ddp, install(ddp, plan, group=group)
+
+
+def built_for(plan: Plan) -> tuple[float | None, Plan]:
+    """``(bucket_cap_mb, plan)``: the cap to build DDP with for ``plan``'s layout (None: DDP's
+    own buckets) and the plan to install on DDP built so.
+
+    A join (``exchange_mb``) is dropped from the plan installed there, since DDP then makes the
+    joined buckets itself and the hook need not copy them together.
+    """
+    if plan.exchange_mb is not None:
+        return plan.exchange_mb, dataclasses.replace(plan, exchange_mb=None)
+    return plan.bucket_cap_mb, plan
 
 
 def _plan_of(advice: Any) -> Plan:

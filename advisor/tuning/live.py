@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from advisor.core.collectives import slowest
 from advisor.core.documents import check_int
 from advisor.runtime import CompressionHook, Plan, install
+from advisor.tuning.layout import built_for
 from profilers.training_state import StateGuard, clone_optimizer
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
@@ -146,7 +147,8 @@ def measure_plans(
     """Measure plans live in interleaved rounds; every rank calls it with the same plans.
 
     Args:
-        ddp: the user's DDP model (fp32 runs on it natively; plans on a shadow copy).
+        ddp: the user's DDP model (fp32 runs on it natively; plans on a shadow copy, built for
+            the plan's bucket layout as :func:`advisor.ddp_for` builds it).
         loss_fn: ``loss_fn(model, batch) -> loss``.
         batches: training batches, cycled.
         optimizer: the training optimizer (the shadow trains with a clone of it).
@@ -174,24 +176,28 @@ def measure_plans(
         raise ValueError("measuring plans needs at least one batch")
     labels = (["fp32"] if native else []) + list(plans)
     per_label = _steps_per_label(labels, steps, rounds)
-    # one shadow per DDP bucket layout the plans need (Plan.bucket_cap_mb), its hook switched between them
+    # each plan as DDP built for its layout runs it (advisor.ddp_for): a join on a shadow whose DDP
+    # makes the joined buckets itself, as the advice is run, not on the user's buckets with the
+    # hook's copies; one shadow per cap, its hook switched between the plans that share it
+    built = {label: built_for(plan) for label, plan in plans.items()}
     shadows: dict[float | None, tuple[DistributedDataParallel, Any, CompressionHook]] = {}
     result: dict[str, list[float]] = {label: [] for label in labels}
     try:
-        for plan in plans.values():
-            if plan.bucket_cap_mb not in shadows:
-                shadow, shadow_opt = shadow_of(ddp, optimizer, plan.bucket_cap_mb)
-                shadows[plan.bucket_cap_mb] = (shadow, shadow_opt, install(shadow, plan, group=group))
+        for cap, plan in built.values():
+            if cap not in shadows:
+                shadow, shadow_opt = shadow_of(ddp, optimizer, cap)
+                shadows[cap] = (shadow, shadow_opt, install(shadow, plan, group=group))
         with StateGuard(ddp.module, optimizer):
             def run(label: str, settle: int, finite: list[bool]) -> float:
                 if label == "fp32":
                     return timed_steps(ddp, loss_fn, batches, optimizer, per_label[label], settle, finite=finite)
-                shadow, shadow_opt, hook = shadows[plans[label].bucket_cap_mb]
-                hook.set_plan(plans[label], reason=f"live measurement of {label}", verify=False)
+                cap, plan = built[label]
+                shadow, shadow_opt, hook = shadows[cap]
+                hook.set_plan(plan, reason=f"live measurement of {label}", verify=False)
                 return timed_steps(shadow, loss_fn, batches, shadow_opt, per_label[label], settle, finite=finite)
 
             def model_of(label: str):
-                return "native" if label == "fp32" else plans[label].bucket_cap_mb
+                return "native" if label == "fp32" else built[label][0]
 
             _interleaved(labels, run, model_of, result, rounds, max_rounds, settled, warmup, group, progress)
     finally:
