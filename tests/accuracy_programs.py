@@ -173,23 +173,41 @@ def _regression():
     return model, batches[:-4], batches[-4:]
 
 
-def trial_lengths(rank: int, world: int, runs: list[dict]):
-    """The fp32 pair's length and why, for each set of AccuracyTrial options, on the regression."""
+def _regression_trial(rank: int, world: int, options: dict):
+    """The fp32 pair of a trial on the regression, started with ``options``: its report."""
     from advisor.testbed.workloads import shard
 
+    model, train, held = _regression()
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.001, momentum=0.9)
+
+    def loss_fn(m, batch):
+        return torch.nn.functional.mse_loss(m(batch[0]), batch[1])
+
+    trial = AccuracyTrial(ddp, loss_fn, shard(train, rank, world), opt, held_out=held, time_budget_s=None, **options)
+    return trial.start()
+
+
+def trial_lengths(rank: int, world: int, runs: list[dict]):
+    """The fp32 pair's length and why, for each set of AccuracyTrial options, on the regression."""
     out = []
     for options in runs:
-        model, train, held = _regression()
-        ddp = DDP(model)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.001, momentum=0.9)
-
-        def loss_fn(m, batch):
-            return torch.nn.functional.mse_loss(m(batch[0]), batch[1])
-
-        trial = AccuracyTrial(ddp, loss_fn, shard(train, rank, world), opt, held_out=held, time_budget_s=None,
-                              **options)
-        report = trial.start()
+        report = _regression_trial(rank, world, options)
         out.append({"steps": report.steps, "powered": report.powered, "why": report.length_reason,
                     "needed": report.steps_needed, "checkpoints": report.checkpoints,
                     "detectable": report.detectable})
     return out
+
+
+def powered_at_the_last_checkpoint_only(rank: int, world: int):
+    """A trial long enough to be powered twice in a row, then the same trial with a step budget that
+    ends it at the checkpoint where it was first powered: the second one's report."""
+    import re
+
+    options = {"max_steps": 400, "horizon": 22_500, "arms_expected": 6}
+    long = _regression_trial(rank, world, options)
+    twice = int(re.search(r"first powered at step (\d+)", long.length_reason).group(1))
+    once = long.checkpoints[long.checkpoints.index(twice) - 1]
+    short = _regression_trial(rank, world, {**options, "budget_steps": once * 6})
+    return {"once": once, "steps": short.steps, "powered": short.powered, "why": short.length_reason,
+            "powered_once": short.powered_once, "would_prove": short.what_would_prove()}

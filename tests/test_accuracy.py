@@ -148,6 +148,17 @@ def test_a_powered_trial_goes_on_until_a_growing_gap_may_be_carried_to_the_runs_
     assert "short of the 150 steps" in bounded["why"] and bounded["needed"] >= 150, bounded
 
 
+def test_a_trial_powered_at_its_last_checkpoint_only_says_so_and_proves_nothing():
+    from accuracy_programs import powered_at_the_last_checkpoint_only
+
+    out = launch_local(powered_at_the_last_checkpoint_only, 2, timeout=300)[0]
+    assert out["steps"] == out["once"] and not out["powered"], out
+    assert "powered at this checkpoint only, not twice in a row" in out["why"], out["why"]
+    # what a longer trial would need names the real reason, not a fp32 that stopped improving
+    assert f"powered at its last checkpoint only (step {out['once']}" in out["would_prove"], out["would_prove"]
+    assert "two checkpoints in a row" in out["would_prove"] and "no longer improved" not in out["would_prove"]
+
+
 def test_budgets_a_few_percent_apart_stop_the_trial_at_the_same_checkpoint():
     from accuracy_programs import trial_lengths
 

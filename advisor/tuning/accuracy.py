@@ -163,6 +163,9 @@ class AccuracyTrialReport:
     #: rank's gradients, and no gradient crossed the link (:mod:`advisor.tuning.exchange_free`)
     exchange_free: bool = False
     exchange_reason: str = ""
+    #: why a trial that cleared every bar at its last checkpoint is still not powered: the one
+    #: before did not ("" where that is not why)
+    powered_once: str = ""
 
     @property
     def informative(self) -> bool:
@@ -202,6 +205,8 @@ class AccuracyTrialReport:
         elif self.steps < gate.MIN_PROOF_STEPS or late < gate.MIN_LATE_CHECKPOINTS:
             seen = (f"the trial ran {self.steps} steps with {late} late checkpoints; a compressed plan is proven "
                     f"only after {gate.MIN_PROOF_STEPS} steps and {gate.MIN_LATE_CHECKPOINTS} late checkpoints")
+        elif self.powered_once:
+            seen = self.powered_once
         else:
             seen = (f"fp32's held-out {self.metric} no longer improved late in the trial, so a plan's gap cannot "
                     "be read as steps")
@@ -320,6 +325,8 @@ class AccuracyTrial:
         curves = [[first[0]], [first[1]]]
         checkpoints, step, chunk = [0], 0, self.eval_every
         was_powered = is_powered = False
+        # why the checkpoint before the last was not powered, where the last one was
+        short_before = short_now = ""
         # a powered trial still goes on, within its budget, until a growing gap may be carried to
         # the run's length: read too early, the arms' parting looks like growth
         long_enough, powered_at, first_powered = evidence.steps_to_extrapolate(self.horizon), None, None
@@ -341,6 +348,7 @@ class AccuracyTrial:
             kappa, _ = evidence.elasticity(checkpoints, curves[0], self.higher)
             learned = gate.progress(curves[0], self.higher)
             late = len(evidence.late_window(checkpoints))
+            short_before, short_now = short_now, self._short_of_power(step, noise.detectable, kappa, late)
             was_powered, is_powered = is_powered, (
                 gate.powered(noise.detectable, self.tolerance, step, late) and kappa > 0)
             # twice in a row: one lucky noise estimate does not end it
@@ -374,10 +382,18 @@ class AccuracyTrial:
                 why = (f"stopped after {step} steps at {bound}, " + (
                     f"powered (it could detect {noise.detectable:.2%}) but short of the {long_enough} steps from "
                     f"which a gap's growth is carried to step {self.horizon} no farther, in ln(step), than the trial "
-                    "spans" if powered_at is not None else f"not powered: it could detect {noise.detectable:.2%}"))
+                    "spans" if powered_at is not None else
+                    f"powered at this checkpoint only, not twice in a row (it could detect {noise.detectable:.2%})"
+                    if is_powered else f"not powered: it could detect {noise.detectable:.2%}"))
                 break
             chunk = min(chunk, room)
         kappa, kappa_se = evidence.elasticity(checkpoints, curves[0], self.higher)
+        powered_once = ""
+        if is_powered and not was_powered:
+            powered_once = (f"the trial was powered at its last checkpoint only (step {step}: it could detect "
+                            f"{noise.detectable:.2%}; at step {checkpoints[-2]} {short_before}); a plan is proven only "
+                            "where two checkpoints in a row are powered, so that one lucky estimate of the noise "
+                            "proves nothing")
         notes = [w for w in [self.stream.warn_if_memorising(step, self.say)] if w]
         if self.stream.distinct == 1:
             notes.append("one training batch: both fp32 arms see the same batches, so the noise is not measured")
@@ -389,7 +405,7 @@ class AccuracyTrial:
             kappa_se=kappa_se,
             progress=learned, held_out=held_out, length_reason=why, seconds=0.0, horizon=self.horizon,
             warnings=notes, evaluation_steps=eval_steps, evaluation_cost=eval_cost, exchange_free=self.exchange_free,
-            exchange_reason=self.exchange_reason)
+            exchange_reason=self.exchange_reason, powered_once=powered_once)
         seconds = self._elapsed(t0)
         self._report.arms.append(ArmResult("fp32", gate.REFERENCE, "fp32 (native DDP)", curves[0], seconds / 2,
                                            True, "the reference", 0.0, 0.0, efficiency=1.0, efficiency_se=0.0))
@@ -397,6 +413,18 @@ class AccuracyTrial:
                                               curves[1], seconds / 2, 0.0, ""))
         self._report.seconds = seconds
         return self._report
+
+    def _short_of_power(self, step: int, detectable: float, kappa: float, late: int) -> str:
+        """What kept a checkpoint from being powered, in a few words ("" where nothing did)."""
+        if detectable > self.tolerance:
+            return f"it could detect {detectable:.2%}"
+        if step < gate.MIN_PROOF_STEPS:
+            return f"it had run {step} steps, under {gate.MIN_PROOF_STEPS}"
+        if late < gate.MIN_LATE_CHECKPOINTS:
+            return f"it had {late} late checkpoints, under {gate.MIN_LATE_CHECKPOINTS}"
+        if kappa <= 0:
+            return f"fp32's held-out {self.metric} had not improved late"
+        return ""
 
     def _timed_evaluation_cost(self, module: nn.Module, eval_times: list[float]) -> float:
         """What one evaluation by the user's ``evaluate`` costs in training steps, the same on every rank.
