@@ -64,7 +64,18 @@ def progress(values: Sequence[float], higher_is_better: bool) -> float:
 
 def powered(detectable: float, tolerance: float, steps: int, late_checkpoints: int) -> bool:
     """Whether a trial could have shown a gap of ``tolerance``: see the module docstring."""
-    return steps >= MIN_PROOF_STEPS and late_checkpoints >= MIN_LATE_CHECKPOINTS and detectable <= tolerance
+    return not short_of_power(detectable, tolerance, steps, late_checkpoints)
+
+
+def short_of_power(detectable: float, tolerance: float, steps: int, late_checkpoints: int) -> str:
+    """What keeps a trial from being :func:`powered`, in a few words ("" where nothing does)."""
+    if detectable > tolerance:
+        return f"it could detect {detectable:.2%}"
+    if steps < MIN_PROOF_STEPS:
+        return f"it had run {steps} steps, under {MIN_PROOF_STEPS}"
+    if late_checkpoints < MIN_LATE_CHECKPOINTS:
+        return f"it had {late_checkpoints} late checkpoints, under {MIN_LATE_CHECKPOINTS}"
+    return ""
 
 
 @dataclass

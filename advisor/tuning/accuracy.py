@@ -325,7 +325,7 @@ class AccuracyTrial:
         curves = [[first[0]], [first[1]]]
         checkpoints, step, chunk = [0], 0, self.eval_every
         was_powered = is_powered = False
-        # why the checkpoint before the last was not powered, where the last one was
+        # what kept the last two checkpoints from being powered ("" where nothing did)
         short_before = short_now = ""
         # a powered trial still goes on, within its budget, until a growing gap may be carried to
         # the run's length: read too early, the arms' parting looks like growth
@@ -348,9 +348,9 @@ class AccuracyTrial:
             kappa, _ = evidence.elasticity(checkpoints, curves[0], self.higher)
             learned = gate.progress(curves[0], self.higher)
             late = len(evidence.late_window(checkpoints))
-            short_before, short_now = short_now, self._short_of_power(step, noise.detectable, kappa, late)
-            was_powered, is_powered = is_powered, (
-                gate.powered(noise.detectable, self.tolerance, step, late) and kappa > 0)
+            short_before, short_now = short_now, gate.short_of_power(noise.detectable, self.tolerance, step, late) or (
+                f"fp32's held-out {self.metric} had not improved late" if kappa <= 0 else "")
+            was_powered, is_powered = is_powered, not short_now
             # twice in a row: one lucky noise estimate does not end it
             powered_at = (powered_at or step) if is_powered and was_powered else None
             first_powered = first_powered or powered_at
@@ -413,18 +413,6 @@ class AccuracyTrial:
                                               curves[1], seconds / 2, 0.0, ""))
         self._report.seconds = seconds
         return self._report
-
-    def _short_of_power(self, step: int, detectable: float, kappa: float, late: int) -> str:
-        """What kept a checkpoint from being powered, in a few words ("" where nothing did)."""
-        if detectable > self.tolerance:
-            return f"it could detect {detectable:.2%}"
-        if step < gate.MIN_PROOF_STEPS:
-            return f"it had run {step} steps, under {gate.MIN_PROOF_STEPS}"
-        if late < gate.MIN_LATE_CHECKPOINTS:
-            return f"it had {late} late checkpoints, under {gate.MIN_LATE_CHECKPOINTS}"
-        if kappa <= 0:
-            return f"fp32's held-out {self.metric} had not improved late"
-        return ""
 
     def _timed_evaluation_cost(self, module: nn.Module, eval_times: list[float]) -> float:
         """What one evaluation by the user's ``evaluate`` costs in training steps, the same on every rank.
