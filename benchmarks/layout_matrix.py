@@ -39,7 +39,7 @@ import statistics
 import sys
 
 from advisor.testbed.bench import MODELS, SAME_PLAN, pair_noise, render_row, run_benchmark
-from advisor.testbed.matrix import BUDGETS, comparisons, pool
+from advisor.testbed.matrix import comparisons, pool
 
 
 def main(argv=None) -> int:
@@ -93,9 +93,8 @@ def main(argv=None) -> int:
         if c.best_s <= 1.05 * c.floor_s:
             # near the floor the settings are compute-bound, and their rounds swing with the CPU more
             # than link-bound ones: a miss inside the advice's paired spread against the floor is named so
-            setting = dict((b, s) for b, s, _, _ in BUDGETS)[c.budget]
             over = c.advisor_s / c.floor_s
-            paired = pair_noise(by_key[(c.ranks, c.rate, c.model)]["rounds_s"], setting, "compute only")
+            paired = pair_noise(by_key[(c.ranks, c.rate, c.model)]["rounds_s"], c.setting, "compute only")
             verdict = "PASS" if over <= 1.05 else (
                 f"FAIL inside the noise (±{paired:.1%})" if over <= 1.05 * (1 + paired) else f"FAIL (±{paired:.1%})")
             print(f"near the floor ({c.model} x{c.ranks} @ {c.rate}, {c.budget}: best PyTorch "

@@ -38,6 +38,8 @@ class Comparison:
     rate: str
     model: str
     budget: str
+    #: the advised setting's name in the row's timings
+    setting: str
     advice: str
     layout: str
     best: str
@@ -62,16 +64,19 @@ class Comparison:
         return f"{self.model} x{self.ranks} @ {self.rate} ({self.budget})"
 
     @property
+    def _pair(self) -> float:
+        """The pair's noise, 0 where one round gave no spread to measure."""
+        return self.pair if math.isfinite(self.pair) else 0.0
+
+    @property
     def run_noise(self) -> float:
         """The noise a single run's verdict on this comparison rests on: the larger of the two."""
-        pair = self.pair if math.isfinite(self.pair) else 0.0
-        return max(self.noise, pair, NOISE_FLOOR)
+        return max(self.noise, self._pair, NOISE_FLOOR)
 
     @property
     def slower(self) -> bool:
         """One run's verdict: slower beyond both the row's noise and the pair's."""
-        pair = self.pair if math.isfinite(self.pair) else 0.0
-        return self.ratio > 1 + self.noise and self.ratio > 1 + pair
+        return self.ratio > 1 + self.noise and self.ratio > 1 + self._pair
 
 
 def comparisons(rows: Sequence[Mapping[str, Any]]) -> list[Comparison]:
@@ -86,7 +91,7 @@ def comparisons(rows: Sequence[Mapping[str, Any]]) -> list[Comparison]:
             best = min(within, key=lambda s: t[s])
             out.append(Comparison(
                 ranks=int(row["ranks"]), rate=str(row["rate"]), model=str(row["model"]), budget=budget,
-                advice=str(row.get(advice_key)), layout=layout_of(row.get(result_key) or {}), best=best,
+                setting=setting, advice=str(row.get(advice_key)), layout=layout_of(row.get(result_key) or {}), best=best,
                 best_s=t[best], advisor_s=t[setting], floor_s=t["compute only"], noise=float(row["noise"]),
                 pair=pair_noise(row["rounds_s"], setting, best)))
     return out
