@@ -46,20 +46,25 @@ def _worst_relative(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
+# two ranks: a sum of two numbers has one order, so DDP's arithmetic is replayed exactly (the bound
+# leaves room only for a library summing in another order); on four, gloo adds the ranks' values in
+# another order than rank after rank, so fp32 differs in its last bits and a 16-bit cast in its own
 @pytest.mark.slow
-@pytest.mark.parametrize("batchnorm", [False, True], ids=["conv net", "with BatchNorm"])
-def test_an_exchange_free_trial_trains_the_curves_ddp_trains(batchnorm):
-    out = launch_local(exchange_free_beside_ddp, 2, (batchnorm, 24), timeout=300)
+@pytest.mark.parametrize(("batchnorm", "world", "bounds"), [
+    (False, 2, {"fp32": 1e-5, "fp32 (other order)": 1e-5, "fp16": 1e-5}),
+    (True, 4, {"fp32": 1e-6, "fp32 (other order)": 1e-6, "fp16": 1e-4}),
+], ids=["conv net, 2 ranks", "with BatchNorm, 4 ranks"])
+def test_an_exchange_free_trial_trains_the_curves_ddp_trains(batchnorm, world, bounds):
+    out = launch_local(exchange_free_beside_ddp, world, (batchnorm, 24), timeout=300)
     assert all(o["unchanged"] for o in out), "neither trial may step the user's model or optimizer"
     real, free = out[0]["real"], out[0]["free"]
-    assert out[1]["free"].arm("fp32").values == free.arm("fp32").values, "every rank holds the same numbers"
+    assert all(o["free"].arm("fp32").values == free.arm("fp32").values for o in out), \
+        "every rank holds the same numbers"
     assert free.exchange_free and not real.exchange_free
     assert free.checkpoints == real.checkpoints
-    # two ranks: a sum of two numbers has one order, so DDP's arithmetic is replayed exactly; the
-    # bound leaves room only for a library summing in another order
-    for label in ("fp32", "fp32 (other order)", "fp16"):
+    for label, bound in bounds.items():
         worst = _worst_relative(free.arm(label).values, real.arm(label).values)
-        assert worst < 1e-5, (label, free.arm(label).values, real.arm(label).values)
+        assert worst < bound, (label, free.arm(label).values, real.arm(label).values)
     lossy = free.arm("powersgd")
     assert lossy.values and all(math.isfinite(v) for v in lossy.values), "a lossy plan trains on a real shadow beside"
     assert free.arm("fp32").values != free.arm("fp32 (other order)").values, "the pair still sees two orders"

@@ -10,7 +10,7 @@ rank's batch on one copy of the model, and averages the gradients through the sa
 compressor code the hook runs (:class:`advisor.runtime.simulate.SimulatedRanks`).  With
 the same batches, the same weights and the same arithmetic, it trains the model that DDP
 would train: on two ranks bit for bit (a sum of two numbers has one order); on more, up to
-the order of a ring's sums.
+the order in which the collective adds the ranks' values.
 
 It costs ``world`` forward and backward passes a step instead of one, plus the batches'
 gather, so the trial uses it only where the performance model predicts that cheaper than
