@@ -11,10 +11,11 @@ trains from the same start, on the rank's whole shard in that order, for ``--ste
   the training time, their trial's budget ``--trial-share`` of ``--expected-steps``.
 
 The held-out metric is read every ``--eval-every`` steps.  It prints, per order, each arm's final
-value and its mean over the last five checkpoints against fp32's in the same order, how far the fp32
+value, its mean over the last five checkpoints and over the second half of the run against fp32's
+in the same order, how far the fp32
 runs of different orders end apart (the noise a single run's gap is read against), and what the
 watch did: its fidelity windows, re-trials and back-offs, each at its step.  Over the orders it
-prints the unwatched plan's mean late gap with a 95% interval (Student's t, paired by order), so
+prints the unwatched plan's mean gaps with 95% intervals (Student's t, paired by order), so
 whether the plan truly falls behind, and whether the watch fired where it did or did not.
 
 At the defaults (``--expected-steps 30000``, a 2% trial share, a 3% re-trial share) the first
@@ -49,6 +50,12 @@ from advisor.tuning.accuracy import evaluate_on_every_rank, higher_is_better
 
 ARMS = ("fp32", "unwatched", "watched")
 LATE = 5  # checkpoints averaged at the end: one checkpoint alone is as noisy as two fp32 orders are apart
+
+
+def _late_half(curve: list[float]) -> float:
+    """The mean over the second half of the run's checkpoints: a held-out loss that spikes now and
+    then (AdamW late in training) is read over many checkpoints, not at the one where it spiked."""
+    return statistics.fmean(curve[len(curve) // 2:])
 
 
 def _train(rank: int, world: int, spec: str, plan_text: str, arm: str, order: int, steps: int, eval_every: int,
@@ -128,13 +135,17 @@ def run(spec: str, plan_text: str, orders: int, steps: int, eval_every: int, wat
         rows.append({"order": order, "arms": arms, "wall_s": time.perf_counter() - t0,
                      "final": {a: arms[a]["curve"][-1] for a in ARMS},
                      "gap": {a: _gap(arms[a]["curve"][-1], fp32[-1], higher) for a in ARMS[1:]},
-                     "late_gap": {a: _gap(_late(arms[a]["curve"]), _late(fp32), higher) for a in ARMS[1:]}})
+                     "late_gap": {a: _gap(_late(arms[a]["curve"]), _late(fp32), higher) for a in ARMS[1:]},
+                     "half_gap": {a: _gap(_late_half(arms[a]["curve"]), _late_half(fp32), higher) for a in ARMS[1:]}})
         show_order(rows[-1], plan_text)
     fp32_finals = [r["final"]["fp32"] for r in rows]
     fp32_late = [_late(r["arms"]["fp32"]["curve"]) for r in rows]
+    fp32_half = [_late_half(r["arms"]["fp32"]["curve"]) for r in rows]
     summary = {
         "fp32_orders_apart": (max(fp32_finals) - min(fp32_finals)) / min(fp32_finals) if orders > 1 else None,
         "fp32_late_orders_apart": (max(fp32_late) - min(fp32_late)) / min(fp32_late) if orders > 1 else None,
+        "fp32_half_orders_apart": (max(fp32_half) - min(fp32_half)) / min(fp32_half) if orders > 1 else None,
+        "unwatched_half_gap": _interval([r["half_gap"]["unwatched"] for r in rows]),
         "unwatched_late_gap": _interval([r["late_gap"]["unwatched"] for r in rows]),
         "unwatched_final_gap": _interval([r["gap"]["unwatched"] for r in rows]),
         "watched_late_gap": _interval([r["late_gap"]["watched"] for r in rows]),
@@ -147,7 +158,8 @@ def run(spec: str, plan_text: str, orders: int, steps: int, eval_every: int, wat
 def show_order(r: dict, plan_text: str) -> None:
     watched = r["arms"]["watched"]
     print(f"order {r['order']}: final fp32 {r['final']['fp32']:.4g}, {plan_text} unwatched {r['final']['unwatched']:.4g} "
-          f"({r['gap']['unwatched']:+.1%}; last {LATE} checkpoints {r['late_gap']['unwatched']:+.1%}), watched "
+          f"({r['gap']['unwatched']:+.1%}; last {LATE} checkpoints {r['late_gap']['unwatched']:+.1%}; second half "
+          f"{r['half_gap']['unwatched']:+.1%}), watched "
           f"{r['final']['watched']:.4g} ({r['gap']['watched']:+.1%}; {r['late_gap']['watched']:+.1%}); "
           f"watched ends on {watched['final_plan']} ({r['wall_s']:.0f} s)")
     errors = ", ".join(f"{e:.2%}@{s}" for s, e, _ in watched["fidelity"])
@@ -170,9 +182,9 @@ def show(result: dict) -> None:
     print(f"{result['plan']} on {result['task']}, {result['steps']} steps, {len(result['orders'])} orders:")
     if s["fp32_orders_apart"] is not None:
         print(f"    fp32's orders end {s['fp32_orders_apart']:.1%} apart (last {LATE} checkpoints: "
-              f"{s['fp32_late_orders_apart']:.1%})")
+              f"{s['fp32_late_orders_apart']:.1%}; second half: {s['fp32_half_orders_apart']:.1%})")
     print(f"    unwatched behind fp32 over the last {LATE} checkpoints: {interval('unwatched_late_gap')}; "
-          f"at the end: {interval('unwatched_final_gap')}")
+          f"over the second half: {interval('unwatched_half_gap')}; at the end: {interval('unwatched_final_gap')}")
     print(f"    watched: {interval('watched_late_gap')}; backed off at steps {s['fired']}")
 
 
