@@ -39,12 +39,12 @@ import sys
 import time
 
 import torch
-from scipy import stats
 from torch.nn.parallel import DistributedDataParallel
 
 import advisor
 from advisor.runtime import Plan
 from advisor.testbed.launch import launch_local
+from advisor.testbed.validate import mean_interval, relative_gap
 from advisor.testbed.workloads import build_workload
 from advisor.tuning.accuracy import evaluate_on_every_rank, higher_is_better
 
@@ -92,8 +92,7 @@ def _train(rank: int, world: int, spec: str, plan_text: str, arm: str, order: in
     if tuner is not None:
         out["events"] = [(e.step, e.what, e.detail) for e in tuner.events]
         out["fidelity"] = [(r.first_step, r.error, r.zeroed) for r in tuner.fidelity]
-        retrials = getattr(tuner._phase, "retrials", [])
-        out["retrials"] = [(s, digest, a.gap, a.status, a.reason) for s, digest, a in retrials]
+        out["retrials"] = [(s, digest, a.gap, a.status, a.reason) for s, digest, a in tuner.retrials]
         out["final_plan"] = ", ".join(sorted({c.label for c in tuner.plan.configs()}))
         tuner.close()
     if hook is not None:
@@ -111,17 +110,8 @@ def _late(curve: list[float]) -> float:
     return statistics.fmean(curve[-LATE:])
 
 
-def _gap(value: float, reference: float, higher: bool) -> float:
-    """How much worse ``value`` is than ``reference``, relative (positive: worse)."""
-    return (reference - value) / abs(reference) if higher else (value - reference) / abs(reference)
-
-
 def _interval(gaps: list[float]) -> tuple[float, float, float]:
-    mean = statistics.fmean(gaps)
-    if len(gaps) < 2:
-        return mean, math.nan, math.nan
-    half = stats.t.ppf(0.975, len(gaps) - 1) * statistics.stdev(gaps) / math.sqrt(len(gaps))
-    return mean, mean - half, mean + half
+    return mean_interval(gaps) or (statistics.fmean(gaps), math.nan, math.nan)
 
 
 def run(spec: str, plan_text: str, orders: int, steps: int, eval_every: int, watch: dict) -> dict:
@@ -134,9 +124,9 @@ def run(spec: str, plan_text: str, orders: int, steps: int, eval_every: int, wat
         fp32 = arms["fp32"]["curve"]
         rows.append({"order": order, "arms": arms, "wall_s": time.perf_counter() - t0,
                      "final": {a: arms[a]["curve"][-1] for a in ARMS},
-                     "gap": {a: _gap(arms[a]["curve"][-1], fp32[-1], higher) for a in ARMS[1:]},
-                     "late_gap": {a: _gap(_late(arms[a]["curve"]), _late(fp32), higher) for a in ARMS[1:]},
-                     "half_gap": {a: _gap(_late_half(arms[a]["curve"]), _late_half(fp32), higher) for a in ARMS[1:]}})
+                     "gap": {a: relative_gap(arms[a]["curve"][-1], fp32[-1], higher) for a in ARMS[1:]},
+                     "late_gap": {a: relative_gap(_late(arms[a]["curve"]), _late(fp32), higher) for a in ARMS[1:]},
+                     "half_gap": {a: relative_gap(_late_half(arms[a]["curve"]), _late_half(fp32), higher) for a in ARMS[1:]}})
         show_order(rows[-1], plan_text)
     fp32_finals = [r["final"]["fp32"] for r in rows]
     fp32_late = [_late(r["arms"]["fp32"]["curve"]) for r in rows]

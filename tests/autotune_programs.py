@@ -429,9 +429,8 @@ def retrialled_digits(rank: int, world_size: int, labels: list[str], steps: int)
             opt.zero_grad()
             workload.loss_fn(ddp, batches[i % len(batches)]).backward()
             opt.step()
-        watch = tuner._phase
         out[label] = {"events": [(e.step, e.what, e.detail) for e in tuner.events], "final": tuner.plan.digest(),
-                      "retrials": [(s, arm.gap, arm.status) for s, _, arm in watch.retrials]}
+                      "retrials": [(s, arm.gap, arm.status) for s, _, arm in tuner.retrials]}
         tuner.close()
     return out
 

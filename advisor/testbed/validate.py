@@ -99,12 +99,27 @@ class ValidationRun:
 
     def gap(self, higher_is_better: bool) -> float:
         """How much worse the plan's final metric is than fp32's in this order, relative (positive: worse)."""
-        sign = -1.0 if higher_is_better else 1.0
-        return sign * (self.final[PLAN] - self.final[FP32]) / max(abs(self.final[FP32]), 1e-12)
+        return relative_gap(self.final[PLAN], self.final[FP32], higher_is_better)
 
     def speedup(self, kind: str = SIXTEEN_BIT) -> float | None:
         """How many times sooner than the ``kind`` arm the plan reached the target (None: one did not)."""
         return speedup(self.time_to_target_s.get(kind), self.time_to_target_s.get(PLAN))
+
+
+def relative_gap(value: float, reference: float, higher_is_better: bool) -> float:
+    """How much worse ``value`` is than ``reference``, relative to it (positive: worse)."""
+    sign = -1.0 if higher_is_better else 1.0
+    return sign * (value - reference) / max(abs(reference), 1e-12)
+
+
+def mean_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float, float] | None:
+    """``(mean, low, high)``: the mean of ``values`` (one per batch order) with its Student's t interval;
+    None with fewer than two."""
+    if len(values) < 2:
+        return None
+    mean = statistics.fmean(values)
+    half = float(stats.t.ppf((1 + confidence) / 2, len(values) - 1)) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, mean - half, mean + half
 
 
 @dataclass
@@ -157,19 +172,13 @@ class ValidationReport(VersionedDocument):
 
     def gap(self, kind: str = PLAN) -> float:
         """How much worse the arm's final metric is than fp32's, relative (positive: worse)."""
-        plan, fp32 = self.arm(kind).final(self.metric), self.arm(FP32).final(self.metric)
-        sign = -1.0 if self.higher_is_better else 1.0
-        return sign * (plan - fp32) / max(abs(fp32), 1e-12)
+        return relative_gap(self.arm(kind).final(self.metric), self.arm(FP32).final(self.metric),
+                            self.higher_is_better)
 
     def gap_interval(self, confidence: float = 0.95) -> tuple[float, float, float] | None:
         """The plan's gap behind fp32 over the batch orders: (mean, low, high), a Student's t interval of
         the per-order gaps (each paired with fp32 in the same order); None with fewer than two orders."""
-        gaps = [r.gap(self.higher_is_better) for r in self.runs]
-        if len(gaps) < 2:
-            return None
-        mean = statistics.fmean(gaps)
-        half = float(stats.t.ppf((1 + confidence) / 2, len(gaps) - 1)) * statistics.stdev(gaps) / math.sqrt(len(gaps))
-        return mean, mean - half, mean + half
+        return mean_interval([r.gap(self.higher_is_better) for r in self.runs], confidence)
 
     def time_to_target_speedup(self, label: str) -> float | None:
         """How many times sooner than fp32 the arm ``label`` reached the target; None where one did not."""

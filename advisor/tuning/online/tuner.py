@@ -232,6 +232,13 @@ class OnlineTuner:
         """The fidelity monitor's windows since the watch began (empty before it, or with ``fidelity_sample=0``)."""
         return list(self._phase.readings) if isinstance(self._phase, Watch) else []
 
+    @property
+    def retrials(self) -> list:
+        """The paired trials run from the current weights since the watch began, in order: ``(step, plan
+        digest, arm)`` for each re-trial of the plan in use and each online proof of a pending plan, the
+        arm (:class:`advisor.tuning.accuracy.ArmResult`) saying how far behind fp32 it was and its verdict."""
+        return list(self._phase.retrials) if isinstance(self._phase, Watch) else []
+
     def record_loss(self, loss) -> None:
         """Report this step's training loss (a float or a scalar tensor); feeds the loss watch.
 
@@ -594,8 +601,8 @@ def wrap(ddp_model: DistributedDataParallel, optimizer=None, **kwargs) -> Online
 
     Returns:
         The :class:`OnlineTuner`: ``tuner.events`` say what it did and why, ``tuner.plan`` is
-        the plan in use, ``tuner.fidelity`` the fidelity watch's readings,
-        ``tuner.record_loss(loss)`` feeds the loss watch.
+        the plan in use, ``tuner.fidelity`` the fidelity watch's readings, ``tuner.retrials`` the
+        paired re-trials from the current weights, ``tuner.record_loss(loss)`` feeds the loss watch.
 
     Raises:
         TypeError, ValueError: a bad argument, naming it and the allowed values (before any step).
