@@ -12,9 +12,8 @@ trains from the same start, on the rank's whole shard in that order, for ``--ste
 
 The held-out metric is read every ``--eval-every`` steps.  It prints, per order, each arm's final
 value, its mean over the last five checkpoints and over the second half of the run against fp32's
-in the same order, how far the fp32
-runs of different orders end apart (the noise a single run's gap is read against), and what the
-watch did: its fidelity windows, re-trials and back-offs, each at its step.  Over the orders it
+in the same order, how far the fp32 runs of different orders end apart (the noise a single run's
+gap is read against), and what the watch did: its fidelity windows, re-trials and back-offs, each at its step.  Over the orders it
 prints the unwatched plan's mean gaps with 95% intervals (Student's t, paired by order), so
 whether the plan truly falls behind, and whether the watch fired where it did or did not.
 
@@ -58,11 +57,11 @@ def _late_half(curve: list[float]) -> float:
     return statistics.fmean(curve[len(curve) // 2:])
 
 
-def _train(rank: int, world: int, spec: str, plan_text: str, arm: str, order: int, steps: int, eval_every: int,
+def _train(rank: int, world: int, workload, plan_text: str, arm: str, order: int, steps: int, eval_every: int,
            watch: dict) -> dict:
-    """One arm in one batch order: its held-out curve, and for the watched arm what the watch did."""
+    """One arm in one batch order, from the workload's initial weights: its held-out curve, and for the
+    watched arm what the watch did."""
     torch.manual_seed(0)
-    workload = build_workload(spec)
     evaluate, metric = workload.evaluator(), workload.metric
     mine = list(workload.batches)[rank::world]
     batches = random.Random(order).sample(mine, len(mine)) if order else mine
@@ -102,7 +101,9 @@ def _train(rank: int, world: int, spec: str, plan_text: str, arm: str, order: in
 
 def _job(rank: int, world: int, spec: str, plan_text: str, order: int, steps: int, eval_every: int,
          watch: dict) -> dict:
-    arms = {arm: _train(rank, world, spec, plan_text, arm, order, steps, eval_every, watch) for arm in ARMS}
+    torch.manual_seed(0)
+    workload = build_workload(spec)
+    arms = {arm: _train(rank, world, workload, plan_text, arm, order, steps, eval_every, watch) for arm in ARMS}
     return arms if rank == 0 else {}
 
 
