@@ -169,6 +169,7 @@ def test_wrap_sharded_times_a_proven_plan_again_beside_the_baseline_and_builds_i
     assert agreed(a["retimed"]) == agreed(b["retimed"])
     whats = [w for _, w, _ in a["events"]]
     # proven by the trial, then raced alone beside the best fp32 path on the loop's own steps, then decided
+    assert {"re-timing", "re-timed", "decided"} <= set(whats), a["events"]
     assert whats.index("re-timing") < whats.index("re-timed") < whats.index("decided"), a["events"]
     (retimed,) = a["retimed"]
     assert retimed["label"].startswith("intquant(bits=8") and retimed["baseline"] in ("fp32", "fp32, exact all-to-all")
