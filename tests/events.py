@@ -1,6 +1,15 @@
 """What tests read of the online tuners' events: their kinds across ranks, and the story of an online proof."""
 
 
+def happened_in_order(events: list[tuple[int, str, str]], *whats: str) -> None:
+    """Each of ``whats`` is among the ``(step, what, detail)`` events, the first of each in this order;
+    the failure shows every event, details included (an index() of a missing one would show none)."""
+    seen = [w for _, w, _ in events]
+    assert all(w in seen for w in whats), (whats, events)
+    at = [seen.index(w) for w in whats]
+    assert at == sorted(at), (whats, events)
+
+
 def event_kinds(events: list[str]) -> list[str]:
     """What each event was, in order (their details carry rank-local timings, like "took 0.2 s")."""
     return [e.split(":", 1)[0] for e in events]
@@ -22,8 +31,7 @@ def proven_online(events: list[tuple[int, str, str]], retimed: list[dict], label
     # a near-lossless plan on a steadily learning task: the longer trial proves it ...
     assert "within the tolerance" in proofs[0][1] and "timed again beside" in proofs[0][1], proofs
     # ... then it races the baseline alone on the loop's next steps, and is installed on that figure
-    whats = [w for _, w, _ in events]
-    assert whats.index("decided") < whats.index("re-timing") < whats.index("re-timed"), events
+    happened_in_order(events, "decided", "re-timing", "re-timed")
     (timing,) = retimed
     assert timing["label"].startswith(label), timing
     last = proofs[-1][1]

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 from autotune_programs import PROVING, shadow_buckets, tune_and_train
-from events import proven_online
+from events import happened_in_order, proven_online
 
 import advisor
 from advisor.testbed.emulated import EmulatedCluster, unavailable_reason
@@ -287,9 +287,8 @@ def test_wrap_times_a_proven_plan_again_beside_the_baseline_and_builds_its_claim
 
     assert agreed(out[0]["retimed"]) == agreed(out[1]["retimed"]) and out[0]["digest"] == out[1]["digest"]
     events = out[0]["events"]
-    whats = [w for _, w, _ in events]
     # proven, then raced alone beside fp32 on the loop's own steps, then decided
-    assert whats.index("re-timing") < whats.index("re-timed") < whats.index("decided"), events
+    happened_in_order(events, "re-timing", "re-timed", "decided")
     (retimed,) = out[0]["retimed"]
     assert retimed["label"].startswith("qsgd(bits=8)") and retimed["baseline"] == "fp32"
     assert retimed["steps"] == 3 * PROVING["trial_steps"] and len(retimed["plan_s"]) >= 3

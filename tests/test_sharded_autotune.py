@@ -3,7 +3,7 @@
 import pytest
 import sharded_programs as sp
 import torch
-from events import proven_online
+from events import happened_in_order, proven_online
 
 from advisor.runtime import Plan
 from advisor.runtime.sharded import EXACT_FP32
@@ -167,10 +167,8 @@ def test_wrap_sharded_times_a_proven_plan_again_beside_the_baseline_and_builds_i
         return [{k: v for k, v in r.items() if k != "seconds"} for r in retimings]
 
     assert agreed(a["retimed"]) == agreed(b["retimed"])
-    whats = [w for _, w, _ in a["events"]]
     # proven by the trial, then raced alone beside the best fp32 path on the loop's own steps, then decided
-    assert {"re-timing", "re-timed", "decided"} <= set(whats), a["events"]
-    assert whats.index("re-timing") < whats.index("re-timed") < whats.index("decided"), a["events"]
+    happened_in_order(a["events"], "re-timing", "re-timed", "decided")
     (retimed,) = a["retimed"]
     assert retimed["label"].startswith("intquant(bits=8") and retimed["baseline"] in ("fp32", "fp32, exact all-to-all")
     assert retimed["steps"] == 3 * 2 and len(retimed["plan_s"]) >= 3  # turns 3x the race's 2 timed steps
