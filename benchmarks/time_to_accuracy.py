@@ -57,6 +57,7 @@ from advisor.testbed.workloads import (
     _windows,
     stdlib_text_corpus,
 )
+from policies.evidence import signed_relative
 from policies.problem import BASELINES
 
 STEPS = {"text": 300, "rnn": 200, "tlm": 200, "conv": 300}
@@ -226,8 +227,8 @@ def _late_gap(report, label: str) -> float | None:
     common = [s for s in fp32.steps if s in mine and s <= at][-LATE_CHECKPOINTS:]
     if not common:
         return None
-    sign = -1.0 if report.higher_is_better else 1.0
-    return sum(sign * (mine[s] - theirs[s]) / max(abs(theirs[s]), 1e-12) for s in common) / len(common)
+    return statistics.fmean(signed_relative([mine[s] for s in common], [theirs[s] for s in common],
+                                            report.higher_is_better))
 
 
 def show(r: dict) -> None:

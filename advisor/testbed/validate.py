@@ -48,6 +48,7 @@ from advisor.testbed.emulated import parse_rate, run_ranks
 from advisor.testbed.workloads import build_workload, load_factory
 from advisor.tuning.accuracy import evaluate_on_every_rank, higher_is_better
 from advisor.tuning.autotune import StageLog, autotune
+from policies.evidence import signed_relative
 from policies.problem import SIXTEEN_BIT as SIXTEEN_BIT_CASTS
 from profilers.training_state import preferred_sixteen_bit
 
@@ -107,9 +108,9 @@ class ValidationRun:
 
 
 def relative_gap(value: float, reference: float, higher_is_better: bool) -> float:
-    """How much worse ``value`` is than ``reference``, relative to it (positive: worse)."""
-    sign = -1.0 if higher_is_better else 1.0
-    return sign * (value - reference) / max(abs(reference), 1e-12)
+    """How much worse ``value`` is than ``reference``, relative to it (positive: worse): the trial's own
+    measure (:func:`policies.evidence.signed_relative`) at one point."""
+    return signed_relative([value], [reference], higher_is_better)[0]
 
 
 def mean_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float, float] | None:
