@@ -13,9 +13,10 @@ trains from the same start, on the rank's whole shard in that order, for ``--ste
 The held-out metric is read every ``--eval-every`` steps.  It prints, per order, each arm's final
 value, its mean over the last five checkpoints and over the second half of the run against fp32's
 in the same order, how far the fp32 runs of different orders end apart (the noise a single run's
-gap is read against), and what the watch did: its fidelity windows, re-trials and back-offs, each at its step.  Over the orders it
-prints the unwatched plan's mean gaps with 95% intervals (Student's t, paired by order), so
-whether the plan truly falls behind, and whether the watch fired where it did or did not.
+gap is read against), and what the watch did: its fidelity windows, re-trials and back-offs,
+each at its step.  Over the orders it prints the unwatched plan's mean gaps with 95% intervals
+(Student's t, paired by order), so whether the plan truly falls behind, and whether the watch
+fired where it did or did not.
 
 At the defaults (``--expected-steps 30000``, a 2% trial share, a 3% re-trial share) the first
 re-trial comes after 20,000 steps, so within a few hundred only the fidelity monitor acts; pass a
