@@ -215,7 +215,8 @@ def whatif_cmd(profile_path, world_size, bandwidth, latency, speedup, budget, re
     console.print(f"Budget {found.budget:.3g}: {found.budget_source}")
     if any(r.exchange_mb is not None for r in found.rows):
         console.print("[in n MiB exchanges]: DDP's buckets exchanged together up to n MiB (Plan.exchange_mb), "
-                      "predicted faster than DDP's own buckets; build DDP with bucket_cap_mb=n to skip the join")
+                      "predicted faster than DDP's own buckets, on DDP built with bucket_cap_mb=n "
+                      "(advisor.ddp_for builds it); joined in the hook on DDP built otherwise, with a copy each")
     if any(r.bucket_cap_mb is not None for r in found.rows):
         console.print("[with DDP's buckets at n MiB]: predicted faster with DDP built with bucket_cap_mb=n "
                       "(Plan.bucket_cap_mb; advisor.ddp_for builds it)")

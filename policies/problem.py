@@ -109,9 +109,13 @@ class TuningProblem:
         return cls(model, costs, _error_matrix(model.profile, model, costs.configs, measure), numel / numel.sum(),
                    parameter_names=[list(b.parameters) for b in model.buckets], fidelity_measure=measure, **fields)
 
-    def with_layout(self, exchange_mb: float | None, bucket_cap_mb: float | None = None) -> TuningProblem:
-        """The same problem (candidates, budget, correction) under another bucket layout."""
-        return self._of_model(self.model.with_layout(exchange_mb, bucket_cap_mb), self.configs, self.fidelity_measure,
+    def with_layout(self, exchange_mb: float | None, bucket_cap_mb: float | None = None, *,
+                    join_in_ddp: bool | None = None) -> TuningProblem:
+        """The same problem (candidates, budget, correction) under another bucket layout; a join
+        priced as DDP built at its size runs it where ``join_in_ddp``
+        (:meth:`advisor.perfmodel.PerformanceModel.with_layout`)."""
+        model = self.model.with_layout(exchange_mb, bucket_cap_mb, join_in_ddp=join_in_ddp)
+        return self._of_model(model, self.configs, self.fidelity_measure,
                               budget=self.budget, reference=self.reference, correction=self.correction,
                               kernel_forms=dict(self.kernel_forms))
 

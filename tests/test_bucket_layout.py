@@ -63,6 +63,30 @@ def test_the_search_joins_buckets_where_rounds_dominate_and_keeps_ddps_where_ove
     assert len(lines) >= 2  # the coarser layouts were still tried, and said so
 
 
+def test_a_join_is_priced_as_it_runs_on_ddp_built_for_it_or_joined_in_the_hook():
+    # advisor.ddp_for runs a join as DDP's own buckets of its size, which DDP fills itself; on a DDP
+    # model built otherwise the hook copies the joined buckets into one buffer and the result back
+    profile = small_buckets()
+    profile.compute.copy_s_per_byte = 3e-8  # slow copies: 2 x 800 KiB of them cost 49 ms
+    problem = TuningProblem.from_profile(profile, budget=0.35)
+    in_hook, in_ddp = problem.with_layout(1.0), problem.with_layout(1.0, join_in_ddp=True)
+    assert in_ddp.exchange_mb == 1.0 and in_ddp.model.members == [[b] for b in in_ddp.model.buckets]
+    assert [b.parameters for b in in_ddp.model.buckets] == [b.parameters for b in problem.with_layout(None, 1.0).model.buckets]
+    hook_s, ddp_s = in_hook.predict(in_hook.uniform("fp16"))[0], in_ddp.predict(in_ddp.uniform("fp16"))[0]
+    joined_bytes = sum(b.numel for b in problem.model.buckets) * 4
+    assert hook_s - ddp_s == pytest.approx(2 * joined_bytes * 3e-8)  # a copy in and one out
+    # a plan keeps the pricing of the problem it came from
+    plan = in_ddp.plan(in_ddp.uniform("fp16")[0], warmup_steps=0)
+    assert in_ddp.model.predict(plan).iteration_s == pytest.approx(ddp_s)
+    assert problem.model.predict(plan).iteration_s == pytest.approx(hook_s)
+
+    # so the copies decide the layout only where the hook must join: autotune's search (DDP built
+    # for the advice) joins, a tuner on the user's own DDP keeps DDP's buckets
+    found = search(GreedyPolicy(), problem)
+    assert search_layouts(GreedyPolicy(), problem, found).problem.exchange_mb is not None
+    assert search_layouts(GreedyPolicy(), problem, found, rebuild_ddp=False).problem is problem
+
+
 def test_whatif_names_the_layout_a_compressor_is_predicted_under():
     found = what_if(small_buckets(), budget=0.35)
     rows = {r.config: r for r in found.rows}
@@ -131,7 +155,7 @@ def test_the_search_takes_smaller_ddp_buckets_where_one_big_bucket_leaves_commun
     chosen, best, lines, _ = search_layouts(GreedyPolicy(), problem, found)
     assert chosen.bucket_cap_mb == 1.0 and best.predicted_s < 0.9 * found.predicted_s
     assert any(line.startswith("DDP's buckets at 1 MiB (12)") for line in lines)
-    assert search_layouts(GreedyPolicy(), problem, found, finer=False)[0] is problem  # wrap's race cannot run it
+    assert search_layouts(GreedyPolicy(), problem, found, rebuild_ddp=False)[0] is problem  # wrap's race cannot run it
 
     # the 16-bit cast in smaller buckets is raced as a candidate, judged for accuracy as the cast
     casts = TuningProblem.from_profile(one_bucket(tuning_profile(n_buckets=12, numel=1024 * 1024)),

@@ -176,13 +176,18 @@ class PerformanceModel:
 
     def __init__(self, profile, scenario: Scenario | None = None, overlap: float = 1.0,
                  round_s: float | None = None, exchange_mb: float | None = None,
-                 bucket_cap_mb: float | None = None) -> None:
+                 bucket_cap_mb: float | None = None, join_in_ddp: bool = False) -> None:
         """``round_s``: cost of a message round beyond the network fit; by default what
         the profile measured (0 for profiles from before that measurement).  ``exchange_mb``:
         the bucket layout (:class:`advisor.runtime.Plan`): DDP's buckets are exchanged in
         groups of that size, and the model's units (``buckets``) are those groups.
         ``bucket_cap_mb``: DDP built with buckets of that size instead of the profiled ones
-        (the other layout, :attr:`advisor.runtime.Plan.bucket_cap_mb`)."""
+        (the other layout, :attr:`advisor.runtime.Plan.bucket_cap_mb`).  ``join_in_ddp``: a
+        join runs as :func:`advisor.ddp_for` builds it, on DDP's own buckets of the join's size,
+        which the model's units then are, without the hook's copies (False: the hook joins
+        DDP's buckets and copies them together, as on a DDP model built otherwise)."""
+        if not isinstance(join_in_ddp, bool):
+            raise ValueError(f"join_in_ddp={join_in_ddp!r}; allowed: True or False")
         self.profile = profile
         self.scenario = scenario or Scenario()
         if not overlap > 0:
@@ -205,16 +210,20 @@ class PerformanceModel:
         ready = {p.name: p.ready_s / speed for p in compute.parameters}
         shapes = {p.name: tuple(p.shape) for p in compute.parameters}
         self.bucket_cap_mb = check_layout_mb(bucket_cap_mb, "bucket_cap_mb")
-        built = compute.buckets if self.bucket_cap_mb is None else buckets_for_cap(compute.parameters, self.bucket_cap_mb)
-        # DDP hands buckets over in the order their gradients become ready (after its rebuild)
-        handed_over = sorted(built, key=lambda b: max(ready[n] for n in b.parameters))
         self.exchange_mb = check_layout_mb(exchange_mb)
         if self.exchange_mb is not None and self.bucket_cap_mb is not None:
             raise ValueError("a layout either joins DDP's buckets (exchange_mb) or rebuilds them (bucket_cap_mb), "
                              "not both")
-        #: the DDP buckets behind each unit the model replays (one each, unless the layout merges them)
+        self.join_in_ddp = join_in_ddp
+        joined_by_ddp = join_in_ddp and self.exchange_mb is not None
+        cap = self.exchange_mb if joined_by_ddp else self.bucket_cap_mb
+        built = compute.buckets if cap is None else buckets_for_cap(compute.parameters, cap)
+        # DDP hands buckets over in the order their gradients become ready (after its rebuild)
+        handed_over = sorted(built, key=lambda b: max(ready[n] for n in b.parameters))
+        #: the DDP buckets behind each unit the model replays (one each, unless the hook joins them)
         self.members = [[handed_over[i] for i in group]
-                        for group in exchange_groups([b.numel * 4 for b in handed_over], self.exchange_mb)]
+                        for group in exchange_groups([b.numel * 4 for b in handed_over],
+                                                     None if joined_by_ddp else self.exchange_mb)]
         self.buckets = [m[0] if len(m) == 1 else ExchangeUnit(m[0].index, [n for b in m for n in b.parameters],
                                                               sum(b.numel for b in m)) for m in self.members]
         self.layouts = [SegmentLayout(tuple(b.parameters), tuple(shapes[n] for n in b.parameters)) for b in self.buckets]
@@ -229,7 +238,8 @@ class PerformanceModel:
         self.copy_in_s = np.array([b.numel * 4 * copy * (1 if len(m) == 1 else 3)
                                    for b, m in zip(self.buckets, self.members)])
         self.copy_out_s = float(sum(b.numel * 4 * copy for b in self.buckets))
-        self._siblings: dict[tuple[float | None, float | None], PerformanceModel] = {self.layout: self}
+        self._siblings: dict[tuple[float | None, float | None, bool], PerformanceModel] = {
+            (*self.layout, self.join_in_ddp): self}
 
     # --- costs ----------------------------------------------------------------------
     def _kernel_seconds(self, config: CompressorConfig, numel: int) -> tuple[float, float]:
@@ -324,9 +334,13 @@ class PerformanceModel:
         """``(exchange_mb, bucket_cap_mb)``: how this model's units are made from the profiled buckets."""
         return self.exchange_mb, self.bucket_cap_mb
 
-    def with_layout(self, exchange_mb: float | None, bucket_cap_mb: float | None = None) -> PerformanceModel:
-        """This model (calibration included) under another bucket layout."""
-        key = (check_layout_mb(exchange_mb), check_layout_mb(bucket_cap_mb, "bucket_cap_mb"))
+    def with_layout(self, exchange_mb: float | None, bucket_cap_mb: float | None = None, *,
+                    join_in_ddp: bool | None = None) -> PerformanceModel:
+        """This model (calibration included) under another bucket layout; ``join_in_ddp`` as the
+        constructor's (None: as this model's)."""
+        exchange_mb = check_layout_mb(exchange_mb)
+        join_in_ddp = self.join_in_ddp if join_in_ddp is None else join_in_ddp
+        key = (exchange_mb, check_layout_mb(bucket_cap_mb, "bucket_cap_mb"), join_in_ddp)
         sibling = self._siblings.get(key)
         if sibling is None or (sibling.overlap, sibling.round_s) != (self.overlap, self.round_s):
             sibling = PerformanceModel(self.profile, self.scenario, self.overlap, self.round_s, *key)

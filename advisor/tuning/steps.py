@@ -26,7 +26,6 @@ from advisor.compressors.registry import parse
 from advisor.core.collectives import from_rank_zero, rank
 from advisor.core.documents import check_int
 from advisor.runtime import Plan
-from advisor.runtime.plan import exchange_groups
 from advisor.tuning.accuracy import AccuracyTrial, ArmResult, check_tolerance
 from policies import accuracy_gate as gate
 from policies import evidence
@@ -168,23 +167,25 @@ class Layout:
                 else f"DDP's buckets at {self.bucket_cap_mb:g} MiB")
 
 
-def layouts_to_try(problem: TuningProblem, finer: bool = True) -> list[Layout]:
+def layouts_to_try(problem: TuningProblem, rebuild_ddp: bool = True) -> list[Layout]:
     """The layouts that group ``problem``'s parameters differently from DDP's buckets and from each
-    other: coarser (the join grid, then the whole model in one exchange), then (``finer``) finer."""
+    other: coarser (the join grid, then the whole model in one exchange), then (``rebuild_ddp``,
+    as :func:`search_layouts`) finer.  A join size is tried where the hook would join some of DDP's
+    buckets at it, and DDP built at that size (``rebuild_ddp``) groups the parameters anew."""
     sizes = [b.numel * 4 for b in problem.model.buckets]
 
     def grouping(model) -> tuple:
         return tuple(tuple(b.parameters) for b in model.buckets)
 
-    seen = {grouping(problem.model)}
+    own = grouping(problem.model)
+    seen = {own}
     out = []
     for mb in (*LAYOUT_GRID_MB, float(math.ceil(sum(sizes) / (1 << 20)))):
-        groups = tuple(map(tuple, exchange_groups(sizes, mb)))
-        key = tuple(tuple(n for i in g for n in problem.model.buckets[i].parameters) for g in groups)
-        if key not in seen:
+        key = grouping(problem.model.with_layout(mb, join_in_ddp=rebuild_ddp))
+        if key not in seen and grouping(problem.model.with_layout(mb, join_in_ddp=False)) != own:
             seen.add(key)
             out.append(Layout(exchange_mb=mb))
-    for mb in FINER_GRID_MB if finer else ():
+    for mb in FINER_GRID_MB if rebuild_ddp else ():
         key = grouping(problem.model.with_layout(None, mb))
         if key not in seen and len(key) > problem.n_buckets:
             seen.add(key)
@@ -204,18 +205,23 @@ class LayoutSearch(NamedTuple):
 
 
 def search_layouts(policy: Policy, problem: TuningProblem, found: PolicyResult, group=None, *,
-                   finer: bool = True) -> LayoutSearch:
+                   rebuild_ddp: bool = True) -> LayoutSearch:
     """The search again under each other bucket layout (``problem`` has DDP's own); the layout
     whose best plan is predicted fastest, by :data:`LAYOUT_MARGIN` over DDP's buckets, the others
-    predicted as fast within that margin, and a line per layout tried.  ``finer=False`` leaves out
-    layouts only a rebuilt DDP has (a tuner that measures on the user's own DDP model cannot run them)."""
+    predicted as fast within that margin, and a line per layout tried.
+
+    ``rebuild_ddp``: the advice runs on DDP built for it (:func:`advisor.ddp_for`, as autotune's
+    race measures it), so layouts finer than DDP's buckets are searched too and a join is priced
+    as the buckets DDP builds at its size, without the hook's copies.  False, for a tuner on the
+    user's own DDP model: finer layouts are left out (only a rebuilt DDP has them) and a join is
+    priced with the copies the hook makes to join DDP's buckets."""
     if problem.model.layout != (None, None):
         raise ValueError("search_layouts starts from DDP's own buckets (a problem without a layout)")
     best = (problem, found)
     tried = []
     lines = [f"DDP's {problem.n_buckets} buckets: {found.predicted_s * 1e3:.1f} ms ({problem.describe(found.choices)})"]
-    for layout in layouts_to_try(problem, finer):
-        other = problem.with_layout(layout.exchange_mb, layout.bucket_cap_mb)
+    for layout in layouts_to_try(problem, rebuild_ddp):
+        other = problem.with_layout(layout.exchange_mb, layout.bucket_cap_mb, join_in_ddp=rebuild_ddp)
         result = search(policy, other, group)
         tried.append((other, result))
         lines.append(f"{layout.describe()} ({other.n_buckets}): {result.predicted_s * 1e3:.1f} ms "

@@ -134,8 +134,10 @@ def what_if(profile, scenario: Scenario | None = None, *, budget: float | None =
     trialled = _uniform_arms(accuracy)
     # a compressor may run faster with DDP's buckets exchanged together or made smaller (as
     # autotune searches); fp32 stays native DDP on its own buckets, and a 16-bit cast may take
-    # smaller buckets only (joining them is a compressed plan's trade)
-    layouts = [problem.with_layout(layout.exchange_mb, layout.bucket_cap_mb) for layout in layouts_to_try(problem)]
+    # smaller buckets only (joining them is a compressed plan's trade); a join is priced as
+    # advisor.ddp_for runs it, on DDP built with buckets of its size, as autotune's race times it
+    layouts = [problem.with_layout(layout.exchange_mb, layout.bucket_cap_mb, join_in_ddp=True)
+               for layout in layouts_to_try(problem)]
     rows = []
     for c in problem.configs:
         u = problem.uniform(c)

@@ -328,7 +328,7 @@ class OnlineTuner:
         found = search(policy, problem, self.group)
         # and under coarser bucket layouts; where one wins, DDP's own buckets' best races beside it,
         # and the nearest join the model cannot tell from the chosen layout races too (as in autotune)
-        layout_problem, layout_found, _, close = search_layouts(policy, problem, found, self.group, finer=False)
+        layout_problem, layout_found, _, close = search_layouts(policy, problem, found, self.group, rebuild_ddp=False)
         arms = baseline_arms(problem, sixteen_bit_baseline(problem, self.optimizer))
         candidates = short_list(layout_problem, layout_found, self.top)
         if layout_problem is not problem:
