@@ -111,9 +111,9 @@ class TuningProblem:
 
     def with_layout(self, exchange_mb: float | None, bucket_cap_mb: float | None = None, *,
                     join_in_ddp: bool | None = None) -> TuningProblem:
-        """The same problem (candidates, budget, correction) under another bucket layout; a join
-        priced as DDP built at its size runs it where ``join_in_ddp``
-        (:meth:`advisor.perfmodel.PerformanceModel.with_layout`)."""
+        """The same problem (candidates, budget, correction) under another bucket layout;
+        ``join_in_ddp``: price a join as DDP built with buckets of its size runs it, not joined
+        in the hook (:meth:`advisor.perfmodel.PerformanceModel.with_layout`)."""
         model = self.model.with_layout(exchange_mb, bucket_cap_mb, join_in_ddp=join_in_ddp)
         return self._of_model(model, self.configs, self.fidelity_measure,
                               budget=self.budget, reference=self.reference, correction=self.correction,
