@@ -26,6 +26,7 @@ from advisor.compressors.registry import parse
 from advisor.core.collectives import from_rank_zero, rank
 from advisor.core.documents import check_int
 from advisor.runtime import Plan
+from advisor.runtime.plan import exchange_groups
 from advisor.tuning.accuracy import AccuracyTrial, ArmResult, check_tolerance
 from policies import accuracy_gate as gate
 from policies import evidence
@@ -177,12 +178,13 @@ def layouts_to_try(problem: TuningProblem, rebuild_ddp: bool = True) -> list[Lay
     def grouping(model) -> tuple:
         return tuple(tuple(b.parameters) for b in model.buckets)
 
-    own = grouping(problem.model)
-    seen = {own}
+    seen = {grouping(problem.model)}
     out = []
     for mb in (*LAYOUT_GRID_MB, float(math.ceil(sum(sizes) / (1 << 20)))):
+        if len(exchange_groups(sizes, mb)) == len(sizes):
+            continue  # the hook would join nothing at this size
         key = grouping(problem.model.with_layout(mb, join_in_ddp=rebuild_ddp))
-        if key not in seen and grouping(problem.model.with_layout(mb, join_in_ddp=False)) != own:
+        if key not in seen:
             seen.add(key)
             out.append(Layout(exchange_mb=mb))
     for mb in FINER_GRID_MB if rebuild_ddp else ():
