@@ -1,5 +1,7 @@
 """The accuracy gate: paired trials reject plans that fall behind fp32 and accept harmless ones."""
 
+import dataclasses
+import json
 import math
 
 import pytest
@@ -24,6 +26,29 @@ def test_the_earned_budget_stops_at_the_first_failure_in_error_order():
     assert gate.earned_budget([(0.1, True), (0.3, True), (0.2, True)]) == 0.3
     assert gate.earned_budget([(0.1, True), (0.2, False), (0.3, True)]) == 0.1
     assert gate.earned_budget([(0.1, False)]) is None and gate.earned_budget([]) is None
+
+
+def test_what_would_prove_more_says_when_the_fp32_orders_mean_gap_alone_hides_the_tolerance():
+    from advisor.core.documents import from_jsonable
+    from advisor.tuning.accuracy import AccuracyTrialReport
+
+    def unpowered(offset):
+        # the LSTM's trial at 265 steps read about this: detects 1.60%, the orders -0.46% apart on average
+        return AccuracyTrialReport(metric="loss", higher_is_better=False, checkpoints=list(range(0, 270, 5)),
+                                   tolerance=0.01, se=0.0057, detectable=0.016, powered=False, steps_needed=675,
+                                   kappa=0.06, kappa_se=0.008, progress=0.5, held_out=True, length_reason="budget",
+                                   seconds=1.0, fp32_offset=offset)
+
+    hidden = unpowered(-0.0046).what_would_prove()
+    assert "about 675 steps an arm would do" in hidden
+    assert "their mean gap over the late checkpoints (0.46%) alone hides gaps below 1.29%" in hidden
+    # where the orders agree on average, the spread alone is what length shrinks: no caveat
+    assert "draw together" not in unpowered(-0.001).what_would_prove()
+    # it travels in the autotune result's JSON, and a document from before it reads as no offset
+    data = json.loads(json.dumps(dataclasses.asdict(unpowered(-0.0046))))
+    assert from_jsonable(AccuracyTrialReport, data).fp32_offset == -0.0046
+    del data["fp32_offset"]
+    assert from_jsonable(AccuracyTrialReport, data).fp32_offset == 0.0
 
 
 # --- the trial, on real ranks ------------------------------------------------------------------

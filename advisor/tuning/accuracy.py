@@ -166,6 +166,9 @@ class AccuracyTrialReport:
     #: why a trial that cleared every bar at its last checkpoint is still not powered: the one
     #: before did not ("" where that is not why)
     powered_once: str = ""
+    #: the two fp32 arms' mean relative difference over the late window (the other order's gap):
+    #: the part of ``se`` that a longer trial removes only if the two orders draw together
+    fp32_offset: float = 0.0
 
     @property
     def informative(self) -> bool:
@@ -210,8 +213,15 @@ class AccuracyTrialReport:
         else:
             seen = (f"fp32's held-out {self.metric} no longer improved late in the trial, so a plan's gap cannot "
                     "be read as steps")
+        caveat = ""
+        hidden = evidence.POWER_Z * abs(self.fp32_offset)
+        if hidden >= self.tolerance:
+            # steps_needed shrinks the whole error with length; the orders' mean gap need not shrink
+            caveat = (f"; that assumes the two fp32 orders draw together: their mean gap over the late checkpoints "
+                      f"({abs(self.fp32_offset):.2%}) alone hides gaps below {hidden:.2%}, and a longer trial removes it "
+                      "only if they do")
         return (f"{seen}; about {self.steps_needed} steps an arm would do (pass expected_steps= with your run's "
-                "length, or a larger trial_share= or trial_s=)")
+                f"length, or a larger trial_share= or trial_s=){caveat}")
 
 
 @dataclass
@@ -405,7 +415,7 @@ class AccuracyTrial:
             kappa_se=kappa_se,
             progress=learned, held_out=held_out, length_reason=why, seconds=0.0, horizon=self.horizon,
             warnings=notes, evaluation_steps=eval_steps, evaluation_cost=eval_cost, exchange_free=self.exchange_free,
-            exchange_reason=self.exchange_reason, powered_once=powered_once)
+            exchange_reason=self.exchange_reason, powered_once=powered_once, fp32_offset=noise.offset)
         seconds = self._elapsed(t0)
         self._report.arms.append(ArmResult("fp32", gate.REFERENCE, "fp32 (native DDP)", curves[0], seconds / 2,
                                            True, "the reference", 0.0, 0.0, efficiency=1.0, efficiency_se=0.0))
